@@ -1,0 +1,34 @@
+"""lightning_zero3: ZeRO stage 3 as a PyTorch Lightning strategy.
+
+``import lightning_zero3`` registers the strategy name ``"zero3"`` with Lightning (``lightning.pytorch``,
+and ``pytorch_lightning`` when that package is installed), so ``Trainer(strategy="zero3")`` works.
+"""
+
+from .config import Zero3Config, Zero3ConfigError
+from .engine import (
+    NoTrainableParametersError,
+    OptimizerShardingError,
+    ParameterNotGatheredError,
+    Zero3Engine,
+    gathered_parameters,
+)
+from .precision import UnsupportedPrecisionError, Zero3Precision
+from .registration import register_strategies
+from .strategy import Zero3Strategy
+
+__version__ = "0.1.0"
+
+register_strategies()
+
+__all__ = [
+    "NoTrainableParametersError",
+    "OptimizerShardingError",
+    "ParameterNotGatheredError",
+    "UnsupportedPrecisionError",
+    "Zero3Config",
+    "Zero3ConfigError",
+    "Zero3Engine",
+    "Zero3Precision",
+    "Zero3Strategy",
+    "gathered_parameters",
+]

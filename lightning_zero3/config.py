@@ -1,0 +1,119 @@
+"""The knobs of zero3, in one validated dataclass.
+
+Every knob is documented where it is declared. ``Zero3Config.from_kwargs`` is the single door through
+which user settings enter (the strategy's ``**kwargs``, later YAML configs): unknown names and
+out-of-range values fail here, before any process group or model is touched, with a message that
+names the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+from torch import nn
+
+#: What ``unit_modules`` accepts: module classes, class names (``"Block"`` or ``"pkg.mod.Block"``), or a
+#: callable ``(module) -> bool`` that says whether a module is its own unit.
+UnitPolicy = Union[None, Callable[[nn.Module], bool], "list[Union[type, str]]", "tuple[Union[type, str], ...]"]
+
+_BACKENDS = (None, "gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
+
+
+class Zero3ConfigError(ValueError):
+    """A zero3 setting is unknown or out of range; the message names the setting and the fix."""
+
+
+@dataclass(frozen=True)
+class Zero3Config:
+    """Settings of the zero3 strategy. Defaults follow DeepSpeed ZeRO-3 where a DeepSpeed knob exists."""
+
+    persistence_threshold: int = 100_000
+    """Parameters with fewer elements than this are not sharded: every rank keeps them whole (their
+    gradients and optimizer state are still sharded). Gathering many tiny tensors costs more in
+    latency than it saves in memory. DeepSpeed: ``stage3_param_persistence_threshold``. 0 shards all."""
+
+    unit_modules: UnitPolicy = None
+    """Which modules become units (gathered and released together). ``None``: automatic, each member
+    of a ``ModuleList``/``Sequential`` whose members repeat a class (transformer blocks) is a unit and
+    everything else belongs to the root unit. Otherwise a list of module classes or class names, or a
+    callable ``module -> bool``."""
+
+    sync_module_states: bool = True
+    """Broadcast rank 0's parameters and buffers before sharding, as DDP does, so ranks that
+    initialised differently still start from one model."""
+
+    process_group_backend: Optional[str] = None
+    """``torch.distributed`` backend; ``None`` picks nccl on CUDA and gloo on CPU."""
+
+    timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
+    """How long a collective may wait for the other ranks before every rank fails with an error."""
+
+    def __post_init__(self) -> None:
+        _check_int("persistence_threshold", self.persistence_threshold, minimum=0)
+        object.__setattr__(self, "persistence_threshold", int(self.persistence_threshold))
+        _check_unit_modules(self.unit_modules)
+        if isinstance(self.unit_modules, (type, str, list, set, frozenset)):
+            names = [self.unit_modules] if isinstance(self.unit_modules, (type, str)) else self.unit_modules
+            object.__setattr__(self, "unit_modules", tuple(names))
+        if not isinstance(self.sync_module_states, bool):
+            raise Zero3ConfigError(
+                f"zero3: `sync_module_states` must be True or False, got {self.sync_module_states!r}."
+            )
+        if self.process_group_backend not in _BACKENDS:
+            raise Zero3ConfigError(
+                f"zero3: `process_group_backend={self.process_group_backend!r}` is not a torch.distributed "
+                f"backend; use one of {[b for b in _BACKENDS if b]} or None to choose by device."
+            )
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise Zero3ConfigError(
+                f"zero3: `timeout` must be a positive datetime.timedelta, got {self.timeout!r}; "
+                "for example timeout=datetime.timedelta(minutes=30)."
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, config: Optional["Zero3Config"] = None, **kwargs: Any) -> "Zero3Config":
+        """Build a config from keyword knobs, on top of ``config`` when one is given."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise Zero3ConfigError(
+                f"zero3: unknown setting(s) {unknown}. Valid settings are: {', '.join(cls.field_names())}."
+            )
+        if config is not None and not isinstance(config, Zero3Config):
+            raise Zero3ConfigError(f"zero3: `config` must be a Zero3Config, got {type(config).__name__}.")
+        base = config if config is not None else cls()
+        return dataclasses.replace(base, **kwargs)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    # floats such as 1e5 are accepted when they are whole numbers, as DeepSpeed configs write them.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise Zero3ConfigError(f"zero3: `{name}` must be a whole number, got {value!r}.")
+    if value < minimum:
+        raise Zero3ConfigError(f"zero3: `{name}` must be >= {minimum}, got {value!r}.")
+
+
+def _check_unit_modules(value: Any) -> None:
+    if value is None or callable(value) and not isinstance(value, type):
+        return
+    if isinstance(value, (type, str)):
+        value = [value]
+    if not isinstance(value, (list, tuple, set, frozenset)) or not value:
+        raise Zero3ConfigError(
+            "zero3: `unit_modules` must be None (automatic), a non-empty list of module classes or class "
+            f"names, or a callable module -> bool; got {value!r}."
+        )
+    for item in value:
+        if isinstance(item, str) and item:
+            continue
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            continue
+        raise Zero3ConfigError(
+            f"zero3: `unit_modules` entry {item!r} is neither an nn.Module subclass nor a class name."
+        )

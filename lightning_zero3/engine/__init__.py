@@ -1,0 +1,15 @@
+"""ZeRO stage 3, Lightning-free. See ``engine.py`` for the entry point and ``../../README.md`` for the picture."""
+
+from .comm import Communicator
+from .engine import NoTrainableParametersError, Zero3Engine, gathered_parameters
+from .optim import OptimizerShardingError
+from .released import ParameterNotGatheredError
+
+__all__ = [
+    "Communicator",
+    "NoTrainableParametersError",
+    "OptimizerShardingError",
+    "ParameterNotGatheredError",
+    "Zero3Engine",
+    "gathered_parameters",
+]

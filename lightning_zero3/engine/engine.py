@@ -1,0 +1,201 @@
+"""``Zero3Engine``: ZeRO stage 3 over one module, with no Lightning in sight.
+
+Plain torch can drive it (the engine tests do)::
+
+    engine = Zero3Engine(model, Zero3Config())        # shards the model in place
+    optimizer = torch.optim.AdamW(model.parameters())
+    engine.shard_optimizer(optimizer)                  # the optimizer now steps this rank's shards
+    loss = model(batch).sum(); loss.backward()         # gathers, releases and reduce-scatters on its own
+    optimizer.step(); optimizer.zero_grad()            # shards stepped; gathered copies refreshed
+    engine.close()                                     # model holds ordinary full tensors again
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..config import Zero3Config
+from .comm import Communicator
+from .hooks import HookManager, UnitRuntime
+from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
+from .optim import clip_grad_norm_, clip_grad_value_, shard_optimizer
+from .shard import FlatGroup, ParamSlot
+from .units import plan_units
+
+# Which engine manages a parameter is kept on the parameter itself (a weak reference under this
+# attribute), so ``gathered_parameters(module)`` works from the module alone.
+_ENGINE_ATTR = "_zero3_engine"
+
+
+class NoTrainableParametersError(ValueError):
+    """Training was asked of a model whose parameters all have ``requires_grad=False``."""
+
+
+class Zero3Engine:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Optional[Zero3Config] = None,
+        comm: Optional[Communicator] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self.module = module
+        self.config = config or Zero3Config()
+        self.comm = comm or Communicator()
+        self.ledger = ByteLedger()
+        first = next(module.parameters(), None)
+        self.device = device or (first.device if first is not None else torch.device("cpu"))
+        if self.config.sync_module_states:
+            self._broadcast_buffers()
+
+        self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
+        sync = self.config.sync_module_states
+        self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []
+        for spec in self.plan.units:
+            if spec.params:
+                group = FlatGroup(spec.path or "<root>", spec.params, self.comm, self.ledger, self.device, False, sync)
+                self.unit_runtimes.append((spec.module, UnitRuntime(group.name, group, self.comm)))
+        self.persistent: Optional[UnitRuntime] = None
+        if self.plan.persistent:
+            group = FlatGroup("<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync)
+            self.persistent = UnitRuntime(group.name, group, self.comm)
+        self.runtimes = [rt for _, rt in self.unit_runtimes] + ([self.persistent] if self.persistent else [])
+        self.slots: dict[int, ParamSlot] = {}
+        for runtime in self.runtimes:
+            for slot in runtime.group.slots:
+                self.slots[id(slot.param)] = slot
+                setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
+        self.hooks = HookManager(self.unit_runtimes, self.persistent)
+        for runtime in self.runtimes:
+            runtime.maybe_release()
+        self.ledger.reset_peak()
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._step_handles: list = []
+
+    # -- optimizer --------------------------------------------------------------------------------
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``optimizer`` step this rank's shards (in place; returns it for convenience)."""
+        shard_optimizer(optimizer, self.slots)
+        group_of = {id(slot.shard_param): rt.group for rt in self.runtimes for slot in rt.group.slots}
+        stepped = {id(g): g for p in _params_of(optimizer) for g in [group_of[id(p)]]}
+        self._step_handles.append(optimizer.register_step_post_hook(self._refresh_after_step(list(stepped.values()))))
+        self.optimizers.append(optimizer)
+        return optimizer
+
+    @staticmethod
+    def _refresh_after_step(groups: list[FlatGroup]):
+        def hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+            # Shards changed: any full copy that is alive right now (persistent parameters, a root
+            # whose forward is still running in manual optimization) is gathered anew.
+            for group in groups:
+                if group.gathered:
+                    group.gather(force=True)
+
+        return hook
+
+    def check_trainable(self) -> None:
+        if not any(slot.param.requires_grad for slot in self.slots.values()):
+            raise NoTrainableParametersError(
+                "zero3: the model has no trainable parameters (every parameter has requires_grad=False), "
+                "so there is nothing to shard for training. Unfreeze at least one parameter, or run "
+                "`trainer.validate`/`test`/`predict` instead of `fit`."
+            )
+
+    @property
+    def shard_params(self) -> list[nn.Parameter]:
+        return [slot.shard_param for slot in self.slots.values()]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, params=None) -> torch.Tensor:
+        return clip_grad_norm_(params if params is not None else self.shard_params, max_norm, self.comm, norm_type)
+
+    def clip_grad_value_(self, clip_value: float, params=None) -> None:
+        clip_grad_value_(params if params is not None else self.shard_params, clip_value)
+
+    # -- full parameters on demand ----------------------------------------------------------------
+
+    @contextmanager
+    def gathered_parameters(self, module: Optional[nn.Module] = None, modifier_rank: Optional[int] = None) -> Iterator[None]:
+        """Gather every unit that holds a parameter of ``module`` (default: the whole model).
+
+        A collective: call it on every rank. With ``modifier_rank`` set, the full parameters of that rank
+        are written back into the shards of all ranks when the block ends.
+        """
+        wanted = {id(p) for p in (module or self.module).parameters()}
+        runtimes = [rt for rt in self.runtimes if any(id(s.param) in wanted for s in rt.group.slots)]
+        for runtime in runtimes:
+            runtime.context_holds += 1
+            runtime.acquire()
+        try:
+            yield
+        finally:
+            for runtime in runtimes:
+                if modifier_rank is not None:
+                    runtime.group.write_back(src=modifier_rank)
+                runtime.context_holds -= 1
+                runtime.maybe_release()
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds, by category, plus the peak of gathered (full) parameter bytes."""
+        report = dict(self.ledger.held)
+        report["optimizer_state"] = optimizer_state_bytes(self.optimizers)
+        report["peak_gathered_params"] = self.ledger.peak_gathered
+        return report
+
+    def unit_sizes(self) -> dict[str, int]:
+        """Full (gathered) bytes of every unit, by unit name."""
+        return {rt.name: rt.group.full.numel() * rt.group.full.element_size() for _, rt in self.unit_runtimes}
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.ledger.held[GATHERED_PARAMS]
+
+    # -- teardown ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove every hook and give the module ordinary full parameters again (a collective)."""
+        for handle in self._step_handles:
+            handle.remove()
+        self.hooks.remove()
+        for runtime in self.runtimes:
+            runtime.group.unshard()
+        for slot in self.slots.values():
+            if hasattr(slot.param, _ENGINE_ATTR):
+                delattr(slot.param, _ENGINE_ATTR)
+        self.slots = {}
+        self.optimizers = []
+
+    def _broadcast_buffers(self) -> None:
+        with torch.no_grad():
+            for buffer in self.module.buffers():
+                if buffer.is_floating_point() or buffer.dtype in (torch.int64, torch.int32, torch.bool):
+                    self.comm.broadcast(buffer, src=0)
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@contextmanager
+def gathered_parameters(module: nn.Module, modifier_rank: Optional[int] = None) -> Iterator[None]:
+    """Full parameters of ``module`` for the duration of the block, on every rank (call it on all ranks).
+
+    Outside zero3 (DDP, one device) this does nothing, so code using it runs under any strategy.
+    """
+    refs = (getattr(p, _ENGINE_ATTR, None) for p in module.parameters())
+    engines = {id(e): e for ref in refs if ref is not None and (e := ref()) is not None}
+    if not engines:
+        yield
+        return
+    if len(engines) > 1:
+        raise RuntimeError("zero3: the module's parameters belong to more than one zero3 engine.")
+    (engine,) = engines.values()
+    with engine.gathered_parameters(module, modifier_rank=modifier_rank):
+        yield

@@ -1,0 +1,46 @@
+"""Gradient reduction: full gradients of a group -> this rank's gradient shard.
+
+After a group's backward, each rank holds full gradients (``param.grad``) computed from its own
+micro-batch. ``reduce_group_gradients`` packs them into one flat buffer, divides by the world size
+(so the result is the mean over ranks, as DDP computes it), reduce-scatters, and adds this rank's
+slice into the shard parameters' ``.grad``. The full gradients are dropped right away.
+
+Accumulation follows torch's own rule, per shard parameter: if its ``.grad`` is None (the optimizer's
+``zero_grad`` ran) the reduced slice becomes the gradient, otherwise it is added. So
+``accumulate_grad_batches`` reduces every micro-batch (memory stays at 1/N) and sums in the shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Communicator
+from .shard import FlatGroup
+
+
+def reduce_group_gradients(group: FlatGroup, comm: Communicator) -> None:
+    """Reduce-scatter the group's full gradients into the shard gradients and free the full ones."""
+    if group.grad_shard is None:
+        return
+    flat = torch.zeros(group.full.numel(), dtype=group.grad_shard.dtype, device=group.full.device)
+    for slot in group.trainable_slots:
+        grad = slot.param.grad
+        if grad is not None:
+            flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+            slot.param.grad = None
+    if comm.world_size > 1:
+        flat.div_(comm.world_size)
+    reduced = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
+    comm.reduce_scatter(reduced, flat)
+    del flat
+    for slot in group.trainable_slots:
+        if slot.hi == slot.lo:
+            continue
+        piece = reduced[slot.lo : slot.hi]
+        shard_param = slot.shard_param
+        if shard_param.grad is None:
+            view = group.grad_shard[slot.lo : slot.hi]
+            view.copy_(piece)
+            shard_param.grad = view
+        else:
+            shard_param.grad.add_(piece)

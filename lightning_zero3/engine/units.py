@@ -1,0 +1,115 @@
+"""Which modules are units, and which parameters each unit owns.
+
+A *unit* is a module whose parameters are gathered together just before its forward (and backward) and
+released right after. The *root* unit is the top module: it owns every parameter that no other unit
+owns, and it stays gathered while the whole forward runs (as in torch FSDP).
+
+Rules, in order:
+1. Unit modules: ``unit_modules=None`` picks every member of a ``ModuleList`` / ``Sequential`` whose
+   class repeats among its siblings (the transformer blocks of a GPT). Otherwise the user's classes,
+   class names or callable decide. Units do not nest: inside a chosen module, nothing more is chosen.
+2. A parameter reachable from two units (tied or shared weights) belongs to the root, which is
+   gathered whenever any unit runs.
+3. A parameter with fewer than ``persistence_threshold`` elements is *persistent*: kept whole on every
+   rank, in one flat group of its own (its gradient and optimizer state are still sharded).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from torch import nn
+
+from ..config import UnitPolicy
+
+ROOT = ""  # module path of the root unit
+
+
+@dataclass
+class UnitSpec:
+    path: str  # module path inside the root ("" for the root itself)
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+
+@dataclass
+class UnitPlan:
+    units: list[UnitSpec]  # the root first, then the others in module order
+    persistent: list[tuple[str, nn.Parameter]]
+
+    @property
+    def root(self) -> UnitSpec:
+        return self.units[0]
+
+
+def plan_units(root: nn.Module, policy: UnitPolicy, persistence_threshold: int) -> UnitPlan:
+    is_unit = _policy_predicate(policy)
+    unit_paths: list[str] = []
+    for path, module in root.named_modules():
+        if path == ROOT or any(_is_under(path, chosen) for chosen in unit_paths):
+            continue
+        if is_unit(module, path, root):
+            unit_paths.append(path)
+    specs = {ROOT: UnitSpec(ROOT, root)}
+    for path in unit_paths:
+        specs[path] = UnitSpec(path, root.get_submodule(path))
+
+    # owner of every parameter: the unit(s) whose module path contains one of the parameter's paths
+    owners: dict[int, set[str]] = {}
+    first_name: dict[int, str] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        owner = next((u for u in unit_paths if _is_under(name, u)), ROOT)
+        owners.setdefault(id(p), set()).add(owner)
+        first_name.setdefault(id(p), name)
+        params[id(p)] = p
+
+    persistent: list[tuple[str, nn.Parameter]] = []
+    for key, p in params.items():
+        name = first_name[key]
+        if p.numel() < persistence_threshold:
+            persistent.append((name, p))
+            continue
+        unit_owners = owners[key]
+        owner = unit_owners.pop() if len(unit_owners) == 1 else ROOT
+        specs[owner].params.append((name, p))
+    units = [specs[ROOT]] + [specs[p] for p in unit_paths if specs[p].params]
+    return UnitPlan(units=units, persistent=persistent)
+
+
+def _is_under(name: str, module_path: str) -> bool:
+    return module_path == ROOT or name == module_path or name.startswith(module_path + ".")
+
+
+def _policy_predicate(policy: UnitPolicy) -> Callable[[nn.Module, str, nn.Module], bool]:
+    if policy is None:
+        return _repeated_member
+    if callable(policy) and not isinstance(policy, (list, tuple)):
+        user: Callable[[nn.Module], bool] = policy  # type: ignore[assignment]
+        return lambda module, path, root: bool(user(module))
+    classes = tuple(c for c in policy if isinstance(c, type))
+    names = {c for c in policy if isinstance(c, str)}
+
+    def by_class(module: nn.Module, path: str, root: nn.Module) -> bool:
+        cls = type(module)
+        return isinstance(module, classes) or cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
+
+    return by_class
+
+
+def _repeated_member(module: nn.Module, path: str, root: nn.Module) -> bool:
+    """True for a member of a ModuleList/Sequential in which its class appears at least twice."""
+    parent = _parent_of(root, path)
+    if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        return False
+    if not any(True for _ in module.parameters()):
+        return False
+    counts = Counter(type(m) for m in parent.children() if any(True for _ in m.parameters()))
+    return counts[type(module)] >= 2
+
+
+def _parent_of(root: nn.Module, path: str) -> Optional[nn.Module]:
+    parent_path = path.rpartition(".")[0]
+    return root.get_submodule(parent_path) if parent_path else root

@@ -1,0 +1,266 @@
+"""``Zero3Strategy``: the Lightning glue around ``Zero3Engine``.
+
+Lightning owns the loops, the launcher (one process per device, started by Lightning's subprocess
+launcher or by torchrun / SLURM through its cluster environments) and the process group. This class
+only decides *when* the engine shards the model, which optimizer it rebuilds, and what a checkpoint
+holds. Everything ZeRO-3 itself does lives in ``engine/``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Generator, Mapping, Optional, Union
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+
+import lightning.pytorch as pl
+
+from .config import Zero3Config
+from .engine import Communicator, Zero3Engine
+from .precision import Zero3Precision, to_zero3_precision
+
+log = logging.getLogger(__name__)
+
+
+class _RootCall(nn.Module):
+    """A thin wrapper whose ``forward`` calls the LightningModule.
+
+    Lightning routes ``training_step`` & co. through the wrapper's ``forward`` whenever the strategy's
+    model is not the LightningModule itself; the call then passes the LightningModule's own
+    ``__call__``, where the root unit's gather / release hooks sit.
+    """
+
+    def __init__(self, module: "pl.LightningModule") -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class Zero3Strategy(ParallelStrategy):
+    """ZeRO stage 3: parameters, gradients and optimizer states partitioned across data-parallel ranks.
+
+    ``Trainer(strategy="zero3")`` after ``import lightning_zero3``, or ``Trainer(strategy=Zero3Strategy(...))``
+    with any knob of :class:`~lightning_zero3.config.Zero3Config` as a keyword argument (or ``config=``).
+    """
+
+    strategy_name = "zero3"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        config: Optional[Zero3Config] = None,
+        **knobs: Any,
+    ) -> None:
+        # validate first: a bad knob fails before any process or model is touched
+        self.config = Zero3Config.from_kwargs(config, **knobs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend: Optional[str] = self.config.process_group_backend
+        self._engine: Optional[Zero3Engine] = None
+        self._failed = False
+
+    # -- what Lightning looks up on a distributed strategy -----------------------------------------
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects the DistributedSampler and honours sync_dist only when this is True.
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def engine(self) -> Optional[Zero3Engine]:
+        """The engine sharding the model, between ``setup`` and ``teardown``."""
+        return self._engine
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Zero3Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = to_zero3_precision(precision_plugin)
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self.config.timeout, device_id=device_id
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- model and optimizers ---------------------------------------------------------------------
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.model_to_device()
+        engine = Zero3Engine(module, self.config, Communicator(), self.root_device)
+        self._engine = engine
+        if fitting:
+            engine.check_trainable()
+        self.model = _RootCall(module)
+        if isinstance(self.precision_plugin, Zero3Precision):
+            self.precision_plugin.engine = engine
+        if fitting:
+            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                engine.shard_optimizer(optimizer)
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.to(self.root_device)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        # Gradients are reduce-scattered after every backward, also while accumulating: each rank keeps
+        # only its 1/N of the accumulated gradient. There is no "no_sync" to enter.
+        yield None
+
+    # -- collectives for Lightning (logging with sync_dist, early stopping, ...) ----------------------
+
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full weights under the module's own names (a collective: every rank gathers)."""
+        module = self.lightning_module
+        assert module is not None
+        if self._engine is None:
+            return module.state_dict()
+        with self._engine.gathered_parameters():
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if self._engine is None:
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return
+        with self._engine.gathered_parameters(modifier_rank=0):
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    # -- teardown ---------------------------------------------------------------------------------
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+
+    def teardown(self) -> None:
+        if self._engine is not None:
+            if self._failed:
+                # other ranks may be gone: no collectives now, just unhook
+                self._engine.hooks.remove()
+            else:
+                self._engine.close()  # the LightningModule holds ordinary full weights again
+            self._engine = None
+        if isinstance(self._precision_plugin, Zero3Precision):
+            self._precision_plugin.engine = None
+        if isinstance(self.model, _RootCall):
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="ZeRO stage 3: parameters, gradients and optimizer states sharded across ranks",
+        )

@@ -1,0 +1,136 @@
+"""Train the example GPT under several strategies and variants; write per-step losses and final weights.
+
+Run as a script (Lightning's launcher re-runs it once per rank):
+
+    python tests/scripts/parity_run.py --devices 2 --out DIR --variants base,accum --strategies zero3,ddp
+
+For every (strategy, variant) pair, rank 0 writes ``DIR/<strategy>-<variant>.pt`` holding the mean loss
+over ranks at every optimizer step, the final weights and zero3's byte report. ``tests/test_parity.py``
+compares them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import lightning_zero3  # noqa: E402,F401  (registers "zero3")
+from gpt import GPTConfig, GPTModule, random_tokens  # noqa: E402
+
+STEPS = 10
+BATCH = 4
+
+
+class StepLosses(pl.Callback):
+    """Mean loss over ranks at every training batch, and zero3's byte report at the end."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.memory: dict = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().clone()
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.memory = {"report": engine.memory_report(), "units": engine.unit_sizes()}
+
+
+class FrozenGPT(GPTModule):
+    """Position embedding and the first block frozen."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.model.wpe.weight.requires_grad_(False)
+        for p in self.model.blocks[0].parameters():
+            p.requires_grad_(False)
+
+
+class ScheduledGPT(GPTModule):
+    """AdamW with parameter groups plus a per-step LR schedule."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class SGDGPT(GPTModule):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+# variant -> (module factory, Trainer keyword arguments)
+VARIANTS = {
+    "base": (lambda cfg: GPTModule(cfg), {}),
+    "accum": (lambda cfg: GPTModule(cfg), {"accumulate_grad_batches": 2}),
+    "clip_norm": (lambda cfg: GPTModule(cfg), {"gradient_clip_val": 0.05}),
+    "clip_value": (lambda cfg: GPTModule(cfg), {"gradient_clip_val": 0.001, "gradient_clip_algorithm": "value"}),
+    "untied": (lambda cfg: GPTModule(GPTConfig(**{**cfg.__dict__, "tie_embeddings": False})), {}),
+    "frozen": (lambda cfg: FrozenGPT(cfg), {}),
+    "checkpointing": (lambda cfg: GPTModule(GPTConfig(**{**cfg.__dict__, "activation_checkpointing": True})), {}),
+    "scheduler": (lambda cfg: ScheduledGPT(cfg), {}),
+    "sgd": (lambda cfg: SGDGPT(cfg), {}),
+}
+
+
+def strategy_for(name: str, threshold: int):
+    if name == "zero3":
+        return lightning_zero3.Zero3Strategy(persistence_threshold=threshold)
+    return name
+
+
+def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) -> None:
+    factory, trainer_kwargs = VARIANTS[variant]
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=3, n_head=4, n_embd=64)
+    pl.seed_everything(1234, workers=True)
+    model = factory(cfg)
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
+    data = random_tokens(STEPS * accumulate * BATCH * devices, cfg.block_size, cfg.vocab_size, seed=7)
+    record = StepLosses()
+    trainer = pl.Trainer(
+        strategy=strategy_for(strategy, threshold),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+        deterministic=True,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=False))
+    if trainer.is_global_zero:
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save({"losses": record.losses, "weights": weights, "memory": record.memory}, out / f"{strategy}-{variant}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variants", default="base")
+    parser.add_argument("--strategies", default="zero3,ddp")
+    parser.add_argument("--persistence-threshold", type=int, default=1000)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for variant in args.variants.split(","):
+        for strategy in args.strategies.split(","):
+            run(strategy, variant, args.devices, args.out, args.persistence_threshold)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()
