@@ -1,0 +1,38 @@
+"""Run a function on N CPU ranks (gloo) in fresh processes and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank; returns the list of results in rank order."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_entry, args=(fn, world_size, free_port(), out, args), nprocs=world_size, join=True)
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

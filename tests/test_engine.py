@@ -1,0 +1,230 @@
+"""The engine driven by plain torch on CPU ranks (gloo): memory, gathering, errors, parity corner cases."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+from gpt import GPT, GPTConfig, random_tokens
+from torch import nn
+
+from lightning_zero3 import ParameterNotGatheredError, Zero3Config, Zero3Engine, gathered_parameters
+from lightning_zero3.engine.memory import storage_is_freed
+from lightning_zero3.engine.optim import OptimizerShardingError
+
+CFG = GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=128)
+
+
+def _batch(rank: int, world: int, step: int, cfg: GPTConfig = CFG):
+    data = random_tokens(64, cfg.block_size, cfg.vocab_size, seed=3)
+    start = (step * world + rank) * 2
+    return data[start : start + 2]
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _real_bytes(engine: Zero3Engine) -> dict:
+    """What the engine holds, measured on the tensors themselves rather than from the ledger."""
+    shards = grads = persistent = gathered = 0
+    for runtime in engine.runtimes:
+        group = runtime.group
+        shards += group.shard.untyped_storage().nbytes()
+        grads += group.grad_shard.untyped_storage().nbytes() if group.grad_shard is not None else 0
+        full = group.full.untyped_storage().nbytes()
+        if group.persistent:
+            persistent += full
+        else:
+            gathered += full
+    state = sum(
+        v.untyped_storage().nbytes()
+        for opt in engine.optimizers
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    return {
+        "param_shards": shards,
+        "grad_shards": grads,
+        "persistent_params": persistent,
+        "gathered_params": gathered,
+        "optimizer_state": state,
+    }
+
+
+def _memory_case(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine = Zero3Engine(model, Zero3Config(persistence_threshold=10_000))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine.shard_optimizer(optimizer)
+    gathered_in_forward = []
+
+    def probe(module, args, output):  # ledger vs real tensors while a block is gathered
+        gathered_in_forward.append((engine.ledger.held["gathered_params"], _real_bytes(engine)["gathered_params"]))
+
+    handle = model.blocks[1].fc.register_forward_hook(probe)
+    for step in range(2):
+        _loss(model, *_batch(rank, world, step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    handle.remove()
+    released = [storage_is_freed(p) for p in model.blocks[2].parameters() if p.numel() >= 10_000]
+    return {
+        "n_params": n_params,
+        "report": engine.memory_report(),
+        "real": _real_bytes(engine),
+        "units": engine.unit_sizes(),
+        "gathered_in_forward": gathered_in_forward,
+        "released": released,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_state_bytes_match_formula_and_real_tensors(world):
+    for result in run_ranks(_memory_case, world):
+        report, real = result["report"], result["real"]
+        # the ledger is exact against the tensors themselves
+        for key in real:
+            assert report[key] == real[key], key
+        # parameter bytes are the shards plus the whole copies of the small, persistent parameters
+        params = report["param_shards"] + report["persistent_params"]
+        state = params + report["grad_shards"] + report["optimizer_state"]
+        expected = 16 * result["n_params"] / world + report["persistent_params"]
+        assert abs(state - expected) / expected < 0.02, (state, expected)
+        assert report["persistent_params"] < 0.05 * 4 * result["n_params"]  # small parameters only
+        # after the step nothing is gathered; the peak stays within the two largest units
+        assert report["gathered_params"] == 0
+        two_largest = sum(sorted(result["units"].values())[-2:])
+        assert 0 < report["peak_gathered_params"] <= two_largest
+        for ledger, measured in result["gathered_in_forward"]:
+            assert ledger == measured
+        assert result["released"] and all(result["released"])
+
+
+def _touch_case(rank: int, world: int) -> dict:
+    torch.manual_seed(rank)  # ranks start different: rank 0's weights must win
+    model = GPT(CFG)
+    initial_rank0 = None
+    if rank == 0:
+        initial_rank0 = model.blocks[0].fc.weight.detach().clone()
+    engine = Zero3Engine(model, Zero3Config(persistence_threshold=1000))
+    out: dict = {"initial_rank0": initial_rank0}
+    try:
+        model.blocks[0].fc.weight.sum()
+    except ParameterNotGatheredError as error:
+        out["error"] = str(error)
+    out["shape_while_released"] = tuple(model.blocks[0].fc.weight.shape)
+    with gathered_parameters(model.blocks[0]):
+        out["gathered"] = model.blocks[0].fc.weight.detach().clone()
+    with gathered_parameters(model.blocks[0], modifier_rank=0):
+        with torch.no_grad():
+            if rank == 0:
+                model.blocks[0].fc.weight.fill_(0.5)
+    with gathered_parameters(model):
+        out["after_write"] = model.blocks[0].fc.weight.detach().clone()
+        out["root_gathered"] = model.wte.weight.detach().clone()
+    engine.close()
+    out["after_close"] = float(model.blocks[0].fc.weight.detach().sum())  # ordinary tensors again
+    return out
+
+
+def test_touching_a_released_parameter_names_the_remedy_and_gathered_parameters_works():
+    results = run_ranks(_touch_case, 2)
+    initial = results[0]["initial_rank0"]
+    for result in results:
+        assert "gathered_parameters" in result["error"] and "blocks.0.fc.weight" in result["error"]
+        assert result["shape_while_released"] == tuple(initial.shape)
+        assert torch.equal(result["gathered"], initial)  # synced from rank 0, exact
+        assert torch.all(result["after_write"] == 0.5)
+        assert result["after_close"] == pytest.approx(0.5 * initial.numel())
+    assert torch.equal(results[0]["root_gathered"], results[1]["root_gathered"])
+
+
+class TwiceCalled(nn.Module):
+    """A block applied twice in one forward, plus a tied output head and a conditionally unused layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+        self.unused = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.blocks[0](h)
+        h = h + self.blocks[1](h)
+        h = h + self.blocks[0](h)  # second call of the same unit
+        return self.head(h)
+
+
+def _widening_linear(module: nn.Module) -> bool:  # a module-level callable: it crosses to spawned ranks
+    return isinstance(module, nn.Linear) and module.out_features == 64
+
+
+def _twice_case(rank: int, world: int, policy) -> dict:
+    torch.manual_seed(0)
+    reference = TwiceCalled()
+    model = copy.deepcopy(reference)
+    ddp = nn.parallel.DistributedDataParallel(reference, find_unused_parameters=True)
+    engine = Zero3Engine(model, Zero3Config(persistence_threshold=0, unit_modules=policy))
+    # weight_decay=0: an unused parameter gets a zero gradient under zero3 and none under DDP
+    opt_ref = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0))
+    losses = []
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        x = torch.randint(0, 64, (4, 8), generator=g)
+        pair = []
+        for net, optimizer in ((ddp, opt_ref), (model, opt)):
+            loss = _loss(net, x, x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append(float(loss))
+        losses.append(pair)
+    units = [rt.name for _, rt in engine.unit_runtimes]
+    engine.close()
+    diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
+    return {"losses": losses, "diff": diff, "units": units}
+
+
+@pytest.mark.parametrize(
+    "policy,units",
+    [
+        (None, ["<root>", "blocks.0", "blocks.1"]),
+        ([nn.Sequential], ["<root>", "blocks.0", "blocks.1"]),
+        (["Linear"], ["<root>", "blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "unused"]),
+        (_widening_linear, ["<root>", "blocks.0.0", "blocks.1.0"]),
+    ],
+)
+def test_module_called_twice_tied_and_unused_weights_match_ddp(policy, units):
+    for result in run_ranks(_twice_case, 2, policy):
+        assert result["units"] == units
+        for ddp_loss, zero3_loss in result["losses"]:
+            assert zero3_loss == pytest.approx(ddp_loss, rel=1e-6)
+        assert result["diff"] < 1e-5
+
+
+def _bad_optimizer_case(rank: int, world: int) -> str:
+    model = GPT(CFG)
+    engine = Zero3Engine(model, Zero3Config())
+    stranger = nn.Parameter(torch.zeros(3))
+    try:
+        engine.shard_optimizer(torch.optim.SGD([stranger, *model.parameters()], lr=0.1))
+    except OptimizerShardingError as error:
+        return str(error)
+    return "no error"
+
+
+def test_optimizer_over_foreign_tensors_is_refused():
+    message = run_ranks(_bad_optimizer_case, 1)[0]
+    assert "not a parameter of the LightningModule" in message and "configure_optimizers" in message
