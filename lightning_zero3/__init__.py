@@ -4,7 +4,7 @@
 and ``pytorch_lightning`` when that package is installed), so ``Trainer(strategy="zero3")`` works.
 """
 
-from .config import Zero3Config, Zero3ConfigError
+from .config import UnsupportedPrecisionError, Zero3Config, Zero3ConfigError
 from .engine import (
     NoTrainableParametersError,
     OptimizerShardingError,
@@ -12,7 +12,7 @@ from .engine import (
     Zero3Engine,
     gathered_parameters,
 )
-from .precision import UnsupportedPrecisionError, Zero3Precision
+from .precision import Zero3Precision
 from .registration import register_strategies
 from .strategy import Zero3Strategy
 

@@ -26,6 +26,14 @@ class Zero3ConfigError(ValueError):
     """A zero3 setting is unknown or out of range; the message names the setting and the fix."""
 
 
+#: Values of Lightning's ``precision=`` flag that zero3 runs.
+SUPPORTED_PRECISION = ("32-true",)
+
+
+class UnsupportedPrecisionError(ValueError):
+    """The ``precision`` flag asks for something zero3 does not run; the message lists what works."""
+
+
 @dataclass(frozen=True)
 class Zero3Config:
     """Settings of the zero3 strategy. Defaults follow DeepSpeed ZeRO-3 where a DeepSpeed knob exists."""

@@ -14,13 +14,8 @@ from typing import Optional, Union
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
+from .config import SUPPORTED_PRECISION, UnsupportedPrecisionError
 from .engine import Zero3Engine
-
-SUPPORTED_PRECISION = ("32-true",)
-
-
-class UnsupportedPrecisionError(ValueError):
-    """The ``precision`` flag asks for something zero3 does not run."""
 
 
 class Zero3Precision(Precision):

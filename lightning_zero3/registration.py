@@ -1,12 +1,28 @@
 """Registering ``"zero3"`` with Lightning's strategy registries.
 
 Lightning only knows the names of the strategies it ships, so the package registers its own at import.
-``lightning.pytorch`` and ``pytorch_lightning`` are two separate copies of Lightning with separate
-registries and base classes; the ``pytorch_lightning`` flavour of the strategy is built by
-``_pl_flavour`` when that package is installed.
+
+[Note: two Lightnings]
+``lightning.pytorch`` and ``pytorch_lightning`` are two separate copies of the same framework, with
+separate registries *and* separate base classes: a ``pytorch_lightning.Trainer`` only accepts strategies
+derived from ``pytorch_lightning``'s ``Strategy``. So when ``pytorch_lightning`` is installed, the two
+Lightning-facing modules (``precision.py``, ``strategy.py``) are loaded a second time from their own
+source with the package names swapped, as ``lightning_zero3._pl_precision`` / ``_pl_strategy``. There is
+one source of truth; the engine and the config are shared by both flavours.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+_SWAPS = (
+    ("lightning.pytorch", "pytorch_lightning"),
+    ("lightning.fabric", "lightning_fabric"),
+    ("from .precision import", "from ._pl_precision import"),
+)
 
 
 def register_strategies() -> None:
@@ -16,3 +32,32 @@ def register_strategies() -> None:
 
     if Zero3Strategy.strategy_name not in StrategyRegistry:
         Zero3Strategy.register_strategies(StrategyRegistry)
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        _register_pytorch_lightning()
+
+
+def _register_pytorch_lightning() -> None:
+    from pytorch_lightning.strategies import StrategyRegistry
+
+    _load_flavour("precision")
+    strategy_module = _load_flavour("strategy")
+    strategy_cls = strategy_module.Zero3Strategy
+    if strategy_cls.strategy_name not in StrategyRegistry:
+        strategy_cls.register_strategies(StrategyRegistry)
+
+
+def _load_flavour(name: str) -> types.ModuleType:
+    """``lightning_zero3/<name>.py`` compiled against ``pytorch_lightning`` (see [Note: two Lightnings])."""
+    module_name = f"{__package__}._pl_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    path = Path(__file__).with_name(f"{name}.py")
+    source = path.read_text()
+    for old, new in _SWAPS:
+        source = source.replace(old, new)
+    module = types.ModuleType(module_name)
+    module.__file__ = str(path)
+    module.__package__ = __package__
+    sys.modules[module_name] = module
+    exec(compile(source, str(path), "exec"), module.__dict__)
+    return module

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 import lightning.pytorch as pl
 
 from .config import Zero3Config
-from .engine import Communicator, Zero3Engine
+from .engine import Communicator, NoTrainableParametersError, Zero3Engine
 from .precision import Zero3Precision, to_zero3_precision
 
 log = logging.getLogger(__name__)
@@ -170,11 +170,16 @@ class Zero3Strategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._failed = False
+        if fitting and not any(p.requires_grad for p in module.parameters()):
+            raise NoTrainableParametersError(
+                "zero3: the model has no trainable parameters (every parameter has requires_grad=False), so "
+                "there is nothing to train. Unfreeze at least one parameter, or call `trainer.validate`, "
+                "`trainer.test` or `trainer.predict` instead of `trainer.fit`."
+            )
         self.model_to_device()
         engine = Zero3Engine(module, self.config, Communicator(), self.root_device)
         self._engine = engine
-        if fitting:
-            engine.check_trainable()
         self.model = _RootCall(module)
         if isinstance(self.precision_plugin, Zero3Precision):
             self.precision_plugin.engine = engine
@@ -244,18 +249,25 @@ class Zero3Strategy(ParallelStrategy):
         self._failed = True
 
     def teardown(self) -> None:
-        if self._engine is not None:
-            if self._failed:
-                # other ranks may be gone: no collectives now, just unhook
-                self._engine.hooks.remove()
-            else:
-                self._engine.close()  # the LightningModule holds ordinary full weights again
-            self._engine = None
+        engine, self._engine = self._engine, None
         if isinstance(self._precision_plugin, Zero3Precision):
             self._precision_plugin.engine = None
         if isinstance(self.model, _RootCall):
             self.model = self.lightning_module
-        super().teardown()
+        if engine is None or not self._failed:
+            if engine is not None:
+                engine.close()  # a collective: the LightningModule holds ordinary full weights again
+            super().teardown()
+            return
+        # After an exception other ranks may be gone, so no collective may run: unhook and leave the
+        # weights sharded. The base teardown would move the module to CPU, reading every (released)
+        # weight and hiding the real error behind ours, so it runs with the module detached.
+        engine.hooks.remove()
+        module, self._lightning_module = self._lightning_module, None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

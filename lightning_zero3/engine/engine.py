@@ -99,14 +99,6 @@ class Zero3Engine:
 
         return hook
 
-    def check_trainable(self) -> None:
-        if not any(slot.param.requires_grad for slot in self.slots.values()):
-            raise NoTrainableParametersError(
-                "zero3: the model has no trainable parameters (every parameter has requires_grad=False), "
-                "so there is nothing to shard for training. Unfreeze at least one parameter, or run "
-                "`trainer.validate`/`test`/`predict` instead of `fit`."
-            )
-
     @property
     def shard_params(self) -> list[nn.Parameter]:
         return [slot.shard_param for slot in self.slots.values()]

@@ -1,0 +1,150 @@
+"""Lightning flows under "zero3" on CPU ranks; each rank writes what it saw to ``OUT/<mode>-rank<R>.json``.
+
+Modes:
+  flows     fit (with validation) -> validate -> test -> predict on one Trainer; sync_dist logging, the
+            injected DistributedSampler, gathered_parameters inside a hook, manual optimization vs DDP.
+  touch     a hook reads a sharded weight without gathered_parameters (must fail, naming the remedy).
+  frozen    fit of a model with no trainable parameter (must fail before training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import lightning_zero3  # noqa: E402
+from gpt import GPTConfig, GPTModule, random_tokens  # noqa: E402
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+N_SAMPLES = 32
+
+
+def indexed_data() -> TensorDataset:
+    x, y = random_tokens(N_SAMPLES, CFG.block_size, CFG.vocab_size).tensors
+    return TensorDataset(x, y, torch.arange(N_SAMPLES))
+
+
+class FlowsGPT(GPTModule):
+    def __init__(self) -> None:
+        super().__init__(CFG)
+        self.seen: list[int] = []
+        self.block_sum: float = 0.0
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.seen += idx.tolist()
+        self.log("rank_mean", float(self.global_rank), sync_dist=True)
+        return self.model.loss(x, y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model.loss(*batch[:2]), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.model.loss(*batch[:2]), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+    def on_train_epoch_end(self):
+        with lightning_zero3.gathered_parameters(self.model.blocks[0]):
+            self.block_sum = float(self.model.blocks[0].fc.weight.detach().double().sum())
+
+
+class ManualGPT(GPTModule):
+    def __init__(self) -> None:
+        super().__init__(CFG)
+        self.automatic_optimization = False
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = self.model.loss(*batch[:2])
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+        self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))
+
+
+class TouchGPT(GPTModule):
+    def on_train_batch_start(self, batch, batch_idx):
+        self.model.blocks[1].fc.weight.sum()
+
+
+def trainer(strategy, **kwargs) -> pl.Trainer:
+    defaults = dict(accelerator="cpu", devices=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    return pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
+
+
+def zero3():
+    return lightning_zero3.Zero3Strategy(persistence_threshold=500)
+
+
+def flows() -> dict:
+    pl.seed_everything(0)
+    model = FlowsGPT()
+    loader = DataLoader(indexed_data(), batch_size=4)
+    t = trainer(zero3(), max_epochs=1, limit_val_batches=2)
+    t.fit(model, loader, loader)
+    out = {
+        "seen": sorted(model.seen),
+        "rank_mean": float(t.callback_metrics["rank_mean"]),
+        "val_loss": float(t.callback_metrics["val_loss"]),
+        "block_sum": model.block_sum,
+        "sampler": type(t.train_dataloader.sampler).__name__,
+    }
+    out["validate"] = t.validate(model, loader, verbose=False)[0]["val_loss"]
+    out["test"] = t.test(model, loader, verbose=False)[0]["test_loss"]
+    predictions = t.predict(model, DataLoader(indexed_data(), batch_size=4))
+    out["predict_shapes"] = [list(p.shape) for p in predictions]
+    out["weights_after"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+
+    manual = {}
+    for name, strategy in (("zero3", zero3()), ("ddp", "ddp")):
+        pl.seed_everything(0)
+        module = ManualGPT()
+        trainer(strategy, max_steps=6).fit(module, DataLoader(indexed_data(), batch_size=4))
+        manual[name] = module.losses
+    out["manual"] = manual
+    return out
+
+
+def expect_failure(module: pl.LightningModule) -> dict:
+    try:
+        trainer(zero3(), max_steps=2).fit(module, DataLoader(indexed_data(), batch_size=4))
+    except Exception as error:  # noqa: BLE001  (the test reads the type and message)
+        return {"error_type": type(error).__name__, "error": str(error), "trace": traceback.format_exc()[-2000:]}
+    return {"error_type": None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["flows", "touch", "frozen"])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    pl.seed_everything(0)
+    if args.mode == "flows":
+        result = flows()
+    elif args.mode == "touch":
+        result = expect_failure(TouchGPT(CFG))
+    else:
+        frozen = GPTModule(CFG)
+        frozen.requires_grad_(False)
+        result = expect_failure(frozen)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.mode}-rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
