@@ -25,6 +25,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -33,6 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 
@@ -233,6 +235,26 @@ class Zero3Strategy(ParallelStrategy):
             return module.state_dict()
         with self._engine.gathered_parameters():
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state as an unsharded optimizer would hold it: world-size independent."""
+        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self._engine is None:
+            return optimizer.state_dict()
+        return self._engine.full_optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"zero3: the checkpoint holds {len(states)} optimizer state(s) but `configure_optimizers` "
+                f"returned {len(self.optimizers)}; resume with the optimizers the checkpoint was written with."
+            )
+        for optimizer, state in zip(self.optimizers, states):
+            if self._engine is None:
+                optimizer.load_state_dict(state)
+            else:
+                self._engine.load_full_optimizer_state(optimizer, state)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module

@@ -110,3 +110,10 @@ def test_model_without_trainable_parameters_is_refused(tmp_path):
     for r in run_flows("frozen", tmp_path):
         assert r["error_type"] == "NoTrainableParametersError"
         assert "requires_grad" in r["error"]
+
+
+def test_checkpoint_resume_is_exact_and_loads_under_ddp(tmp_path):
+    for r in run_flows("resume", tmp_path):
+        assert r["first"] == r["straight"][:3]
+        assert r["zero3"] == r["straight"][3:]  # bitwise: weights and Adam state restored exactly
+        assert r["ddp"] == r["straight"][3:]  # the checkpoint holds full, unsharded state

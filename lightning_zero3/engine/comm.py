@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,14 @@ class Communicator:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
         self.stats["broadcast"].add(tensor.numel() * tensor.element_size(), time.perf_counter() - start)
         return tensor
+
+    def all_gather_objects(self, obj: Any) -> list:
+        """Every rank's ``obj``, in rank order. For small Python objects (layouts, scalars), never weights."""
+        if not self.distributed:
+            return [obj]
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, obj, group=self.group)
+        return everyone
 
     def all_equal(self, value: int) -> bool:
         """Whether every rank passed the same integer (used to check that ranks agree before acting)."""

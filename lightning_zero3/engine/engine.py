@@ -25,6 +25,7 @@ from .hooks import HookManager, UnitRuntime
 from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
 from .optim import clip_grad_norm_, clip_grad_value_, shard_optimizer
 from .shard import FlatGroup, ParamSlot
+from .state import full_optimizer_state, load_full_optimizer_state
 from .units import plan_units
 
 # Which engine manages a parameter is kept on the parameter itself (a weak reference under this
@@ -65,10 +66,12 @@ class Zero3Engine:
             group = FlatGroup("<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync)
             self.persistent = UnitRuntime(group.name, group, self.comm)
         self.runtimes = [rt for _, rt in self.unit_runtimes] + ([self.persistent] if self.persistent else [])
-        self.slots: dict[int, ParamSlot] = {}
+        self.slots: dict[int, ParamSlot] = {}  # by id of the user's parameter
+        self._slot_of_shard: dict[int, tuple[FlatGroup, ParamSlot]] = {}  # by id of the shard parameter
         for runtime in self.runtimes:
             for slot in runtime.group.slots:
                 self.slots[id(slot.param)] = slot
+                self._slot_of_shard[id(slot.shard_param)] = (runtime.group, slot)
                 setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
         self.hooks = HookManager(self.unit_runtimes, self.persistent)
         for runtime in self.runtimes:
@@ -82,8 +85,7 @@ class Zero3Engine:
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer`` step this rank's shards (in place; returns it for convenience)."""
         shard_optimizer(optimizer, self.slots)
-        group_of = {id(slot.shard_param): rt.group for rt in self.runtimes for slot in rt.group.slots}
-        stepped = {id(g): g for p in _params_of(optimizer) for g in [group_of[id(p)]]}
+        stepped = {id(g): g for p in _params_of(optimizer) for g in [self._slot_of_shard[id(p)][0]]}
         self._step_handles.append(optimizer.register_step_post_hook(self._refresh_after_step(list(stepped.values()))))
         self.optimizers.append(optimizer)
         return optimizer
@@ -98,6 +100,14 @@ class Zero3Engine:
                     group.gather(force=True)
 
         return hook
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The state dict an unsharded optimizer would have (a collective; see ``state.py``)."""
+        return full_optimizer_state(optimizer, self._slot_of_shard, self.comm)
+
+    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load a full (unsharded) optimizer state dict, keeping this rank's slice."""
+        load_full_optimizer_state(optimizer, state, self._slot_of_shard, self.comm)
 
     @property
     def shard_params(self) -> list[nn.Parameter]:
@@ -152,12 +162,19 @@ class Zero3Engine:
     # -- teardown ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove every hook and give the module ordinary full parameters again (a collective)."""
+        """Remove every hook; the module gets ordinary full parameters again and each optimizer steps
+        them with its full state, as if it had never been sharded (a collective)."""
         for handle in self._step_handles:
             handle.remove()
         self.hooks.remove()
+        full_states = [self.full_optimizer_state(optimizer) for optimizer in self.optimizers]
         for runtime in self.runtimes:
             runtime.group.unshard()
+        for optimizer, state in zip(self.optimizers, full_states):
+            for group in optimizer.param_groups:
+                group["params"][:] = [self._slot_of_shard[id(p)][1].param for p in group["params"]]
+            optimizer.state.clear()
+            optimizer.load_state_dict(state)
         for slot in self.slots.values():
             if hasattr(slot.param, _ENGINE_ATTR):
                 delattr(slot.param, _ENGINE_ATTR)

@@ -5,6 +5,7 @@ Modes:
             injected DistributedSampler, gathered_parameters inside a hook, manual optimization vs DDP.
   touch     a hook reads a sharded weight without gathered_parameters (must fail, naming the remedy).
   frozen    fit of a model with no trainable parameter (must fail before training).
+  resume    1 epoch (3 steps), save, resume for a 2nd epoch (under zero3 and DDP) vs 2 uninterrupted epochs.
 """
 
 from __future__ import annotations
@@ -119,6 +120,35 @@ def flows() -> dict:
     return out
 
 
+class LossLog(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+
+def resume(out: Path) -> dict:
+    data = TensorDataset(*(t[:24] for t in indexed_data().tensors))
+    loader = DataLoader(data, batch_size=4)  # 12 samples per rank: 3 steps per epoch
+    path = out / "three_steps.ckpt"
+    runs = {}
+    for name, strategy, epochs, ckpt in (
+        ("first", zero3(), 1, None),
+        ("zero3", zero3(), 2, path),
+        ("ddp", "ddp", 2, path),
+        ("straight", zero3(), 2, None),
+    ):
+        pl.seed_everything(0)
+        log = LossLog()
+        t = trainer(strategy, max_epochs=epochs, callbacks=[log])
+        t.fit(FlowsGPT(), loader, ckpt_path=ckpt)
+        if name == "first":
+            t.save_checkpoint(path)
+        runs[name] = log.losses
+    return runs
+
+
 def expect_failure(module: pl.LightningModule) -> dict:
     try:
         trainer(zero3(), max_steps=2).fit(module, DataLoader(indexed_data(), batch_size=4))
@@ -129,12 +159,15 @@ def expect_failure(module: pl.LightningModule) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["flows", "touch", "frozen"])
+    parser.add_argument("mode", choices=["flows", "touch", "frozen", "resume"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
     if args.mode == "flows":
         result = flows()
+    elif args.mode == "resume":
+        result = resume(args.out)
     elif args.mode == "touch":
         result = expect_failure(TouchGPT(CFG))
     else:
