@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
+import torch
 from torch import nn
 
 #: What ``unit_modules`` accepts: module classes, class names (``"Block"`` or ``"pkg.mod.Block"``), or a
@@ -27,7 +28,10 @@ class Zero3ConfigError(ValueError):
 
 
 #: Values of Lightning's ``precision=`` flag that zero3 runs.
-SUPPORTED_PRECISION = ("32-true",)
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+#: Names accepted for dtype settings.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class UnsupportedPrecisionError(ValueError):
@@ -49,6 +53,11 @@ class Zero3Config:
     everything else belongs to the root unit. Otherwise a list of module classes or class names, or a
     callable ``module -> bool``."""
 
+    reduce_dtype: Optional[str] = None
+    """Dtype gradients are reduce-scattered in: ``"fp32"``, ``"bf16"`` or ``"fp16"``. ``None``: fp32 under
+    ``32-true`` and the ``*-mixed`` flags (gradients accumulate in fp32 shards either way), the
+    parameters' dtype under ``*-true``. Under ``bf16-mixed``, ``"bf16"`` halves the bytes reduced."""
+
     sync_module_states: bool = True
     """Broadcast rank 0's parameters and buffers before sharding, as DDP does, so ranks that
     initialised differently still start from one model."""
@@ -66,6 +75,10 @@ class Zero3Config:
         if isinstance(self.unit_modules, (type, str, list, set, frozenset)):
             names = [self.unit_modules] if isinstance(self.unit_modules, (type, str)) else self.unit_modules
             object.__setattr__(self, "unit_modules", tuple(names))
+        if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
+            raise Zero3ConfigError(
+                f"zero3: `reduce_dtype={self.reduce_dtype!r}` is not a dtype name; use one of {list(DTYPES)} or None."
+            )
         if not isinstance(self.sync_module_states, bool):
             raise Zero3ConfigError(
                 f"zero3: `sync_module_states` must be True or False, got {self.sync_module_states!r}."

@@ -40,7 +40,7 @@ import lightning.pytorch as pl
 
 from .config import Zero3Config
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine
-from .precision import Zero3Precision, to_zero3_precision
+from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +132,20 @@ class Zero3Strategy(ParallelStrategy):
         return self._engine
 
     @property
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else Zero3Precision()
+    def precision_plugin(self) -> Zero3Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = Zero3Precision()
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
-        self._precision_plugin = to_zero3_precision(precision_plugin)
+        # Lightning sets the plugin built from the `precision=` flag while constructing the Trainer, after
+        # the accelerator: a flag zero3 cannot run here fails now, before any process starts.
+        plugin = to_zero3_precision(precision_plugin)
+        if plugin is not None:
+            plugin.dtype_policy(self.config.reduce_dtype)
+            check_device_supports(plugin, self._accelerator)
+        self._precision_plugin = plugin
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -179,12 +187,15 @@ class Zero3Strategy(ParallelStrategy):
                 "there is nothing to train. Unfreeze at least one parameter, or call `trainer.validate`, "
                 "`trainer.test` or `trainer.predict` instead of `trainer.fit`."
             )
+        precision = self.precision_plugin
+        precision.convert_module(module)
         self.model_to_device()
-        engine = Zero3Engine(module, self.config, Communicator(), self.root_device)
+        dtypes = precision.dtype_policy(self.config.reduce_dtype)
+        engine = Zero3Engine(module, self.config, Communicator(), self.root_device, dtypes)
         self._engine = engine
         self.model = _RootCall(module)
-        if isinstance(self.precision_plugin, Zero3Precision):
-            self.precision_plugin.engine = engine
+        precision.engine = engine
+        precision.device_type = self.root_device.type
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
@@ -228,13 +239,10 @@ class Zero3Strategy(ParallelStrategy):
     # -- checkpoints ------------------------------------------------------------------------------
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights under the module's own names (a collective: every rank gathers)."""
+        """Full weights under the module's own names, in the master dtype (a collective)."""
         module = self.lightning_module
         assert module is not None
-        if self._engine is None:
-            return module.state_dict()
-        with self._engine.gathered_parameters():
-            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return module.state_dict() if self._engine is None else self._engine.full_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state as an unsharded optimizer would hold it: world-size independent."""
@@ -261,9 +269,8 @@ class Zero3Strategy(ParallelStrategy):
         assert module is not None
         if self._engine is None:
             module.load_state_dict(checkpoint["state_dict"], strict=strict)
-            return
-        with self._engine.gathered_parameters(modifier_rank=0):
-            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        else:
+            self._engine.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     # -- teardown ---------------------------------------------------------------------------------
 
@@ -272,7 +279,7 @@ class Zero3Strategy(ParallelStrategy):
 
     def teardown(self) -> None:
         engine, self._engine = self._engine, None
-        if isinstance(self._precision_plugin, Zero3Precision):
+        if self._precision_plugin is not None:
             self._precision_plugin.engine = None
         if isinstance(self.model, _RootCall):
             self.model = self.lightning_module

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero3
@@ -59,6 +60,7 @@ def test_knobs_reach_the_config():
         ({"process_group_backend": "tcp"}, ["process_group_backend", "gloo"]),
         ({"timeout": 30}, ["timeout", "timedelta"]),
         ({"sync_module_states": "yes"}, ["sync_module_states"]),
+        ({"reduce_dtype": "float8"}, ["reduce_dtype", "fp32"]),
     ],
 )
 def test_bad_knobs_fail_with_the_setting_named(knobs, words):
@@ -68,10 +70,32 @@ def test_bad_knobs_fail_with_the_setting_named(knobs, words):
         assert word in str(error.value)
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-true", "64-true"])
-def test_unsupported_precision_fails_at_trainer_construction(precision):
-    with pytest.raises(UnsupportedPrecisionError, match="32-true"):
-        pl.Trainer(strategy="zero3", accelerator="cpu", devices=2, precision=precision, logger=False)
+@pytest.mark.parametrize(
+    "precision,master,compute",
+    [
+        ("32-true", torch.float32, torch.float32),
+        ("bf16-mixed", torch.float32, torch.bfloat16),
+        ("bf16-true", torch.bfloat16, torch.bfloat16),
+        ("16-true", torch.float16, torch.float16),
+    ],
+)
+def test_precision_flag_is_translated(precision, master, compute):
+    trainer = pl.Trainer(strategy="zero3", accelerator="cpu", devices=2, precision=precision, logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, Zero3Precision) and plugin.precision == precision
+    assert (plugin.master_dtype, plugin.compute_dtype) == (master, compute)
+
+
+def test_unsupported_precision_fails_at_trainer_construction_naming_what_works():
+    with pytest.raises(UnsupportedPrecisionError) as error:
+        pl.Trainer(strategy="zero3", accelerator="cpu", devices=2, precision="64-true", logger=False)
+    for flag in ("64-true", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"):
+        assert flag in str(error.value)
+
+
+def test_reduce_dtype_must_fit_the_precision_flag():
+    with pytest.raises(UnsupportedPrecisionError, match="reduce_dtype='fp16'.*bf16-mixed.*'bf16', 'fp32'"):
+        pl.Trainer(strategy=Zero3Strategy(reduce_dtype="fp16"), accelerator="cpu", devices=2, precision="bf16-mixed")
 
 
 def test_pytorch_lightning_registry_too():
@@ -117,3 +141,19 @@ def test_checkpoint_resume_is_exact_and_loads_under_ddp(tmp_path):
         assert r["first"] == r["straight"][:3]
         assert r["zero3"] == r["straight"][3:]  # bitwise: weights and Adam state restored exactly
         assert r["ddp"] == r["straight"][3:]  # the checkpoint holds full, unsharded state
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
+    ranks = run_flows("fp16", tmp_path)
+    inject_at = 3
+    for r in ranks:
+        inject, skip = r["inject"], r["skip"]
+        assert inject["skipped"] == 1 and skip["skipped"] == 0
+        # the scale halves at the overflow, on every rank alike
+        assert inject["scales"][:inject_at] == [2.0**16] * inject_at
+        assert inject["scales"][inject_at:] == [2.0**15] * (len(inject["scales"]) - inject_at)
+        assert inject["scales"] == ranks[0]["inject"]["scales"]
+        # and training matches a run whose step was skipped by construction
+        assert inject["losses"] == pytest.approx(skip["losses"], rel=1e-6)
+        assert r["checkpointed_scaler"]["scale"] == 2.0**15 and r["checkpointed_scaler"]["skipped_steps"] == 1
+        assert r["resumed_scales"] == [2.0**15]  # restored from the checkpoint, one more step

@@ -24,7 +24,7 @@ from .comm import Communicator
 from .hooks import HookManager, UnitRuntime
 from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
 from .optim import clip_grad_norm_, clip_grad_value_, shard_optimizer
-from .shard import FlatGroup, ParamSlot
+from .shard import DtypePolicy, FlatGroup, ParamSlot
 from .state import full_optimizer_state, load_full_optimizer_state
 from .units import plan_units
 
@@ -44,6 +44,7 @@ class Zero3Engine:
         config: Optional[Zero3Config] = None,
         comm: Optional[Communicator] = None,
         device: Optional[torch.device] = None,
+        dtypes: DtypePolicy = DtypePolicy(),
     ) -> None:
         self.module = module
         self.config = config or Zero3Config()
@@ -59,11 +60,15 @@ class Zero3Engine:
         self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []
         for spec in self.plan.units:
             if spec.params:
-                group = FlatGroup(spec.path or "<root>", spec.params, self.comm, self.ledger, self.device, False, sync)
+                group = FlatGroup(
+                    spec.path or "<root>", spec.params, self.comm, self.ledger, self.device, False, sync, dtypes
+                )
                 self.unit_runtimes.append((spec.module, UnitRuntime(group.name, group, self.comm)))
         self.persistent: Optional[UnitRuntime] = None
         if self.plan.persistent:
-            group = FlatGroup("<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync)
+            group = FlatGroup(
+                "<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync, dtypes
+            )
             self.persistent = UnitRuntime(group.name, group, self.comm)
         self.runtimes = [rt for _, rt in self.unit_runtimes] + ([self.persistent] if self.persistent else [])
         self.slots: dict[int, ParamSlot] = {}  # by id of the user's parameter
@@ -141,6 +146,36 @@ class Zero3Engine:
                     runtime.group.write_back(src=modifier_rank)
                 runtime.context_holds -= 1
                 runtime.maybe_release()
+
+    # -- full state dicts ---------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` with full parameters in the master dtype (a collective; holds a full copy)."""
+        own = self.module.state_dict(keep_vars=True)  # keep_vars: no op touches the released parameters
+        full: dict[int, torch.Tensor] = {}
+        for runtime in self.runtimes:
+            master = runtime.group.gather_master()
+            for slot in runtime.group.slots:
+                full[id(slot.param)] = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
+        return {name: full[id(v)] if id(v) in full else v.detach().clone() for name, v in own.items()}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full (unsharded) weights: each rank keeps its slice, in the master dtype. Buffers are copied."""
+        own = self.module.state_dict(keep_vars=True)
+        missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
+        if strict and (missing or unexpected):
+            raise KeyError(f"zero3: state dict does not fit the model: missing {missing}, unexpected {unexpected}.")
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                target = own.get(name)
+                slot = self.slots.get(id(target)) if target is not None else None
+                if slot is not None:
+                    self._slot_of_shard[id(slot.shard_param)][0].load_slice(slot, value)
+                elif target is not None:
+                    target.copy_(value)
+        for runtime in self.runtimes:
+            if runtime.group.gathered:
+                runtime.group.gather(force=True)
 
     # -- accounting -------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 After a group's backward, each rank holds full gradients (``param.grad``) computed from its own
 micro-batch. ``reduce_group_gradients`` packs them into one flat buffer, divides by the world size
 (so the result is the mean over ranks, as DDP computes it), reduce-scatters, and adds this rank's
-slice into the shard parameters' ``.grad``. The full gradients are dropped right away.
+slice into the shard parameters' ``.grad``. The full gradients are dropped right away. Gradients
+travel in the group's reduce dtype and are accumulated in the master dtype.
 
 Accumulation follows torch's own rule, per shard parameter: if its ``.grad`` is None (the optimizer's
 ``zero_grad`` ran) the reduced slice becomes the gradient, otherwise it is added. So
@@ -22,7 +23,7 @@ def reduce_group_gradients(group: FlatGroup, comm: Communicator) -> None:
     """Reduce-scatter the group's full gradients into the shard gradients and free the full ones."""
     if group.grad_shard is None:
         return
-    flat = torch.zeros(group.full.numel(), dtype=group.grad_shard.dtype, device=group.full.device)
+    flat = torch.zeros(group.full.numel(), dtype=group.reduce_dtype, device=group.shard.device)
     for slot in group.trainable_slots:
         grad = slot.param.grad
         if grad is not None:

@@ -16,6 +16,7 @@ The user's parameters become views into ``full`` (see [Note: freeing by storage 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -32,6 +33,16 @@ from .memory import (
     restore_storage,
 )
 from .released import mark_gathered, mark_released
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """Dtypes around the shards. The *master* dtype is the parameters' own (what the shards, the gradient
+    shards and the optimizer keep); ``compute`` is what parameters are gathered in and forward runs
+    with; ``reduce`` is what gradients are reduce-scattered in. ``None`` means the master dtype."""
+
+    compute: Optional[torch.dtype] = None
+    reduce: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)
@@ -60,39 +71,42 @@ class FlatGroup:
         device: torch.device,
         persistent: bool = False,
         sync_from_rank0: bool = True,
+        dtypes: DtypePolicy = DtypePolicy(),
     ) -> None:
         if not named_params:
             raise ValueError(f"flat group {name!r} has no parameters")
-        dtypes = {p.dtype for _, p in named_params}
-        if len(dtypes) != 1:
+        own_dtypes = {p.dtype for _, p in named_params}
+        if len(own_dtypes) != 1:
             raise TypeError(
-                f"zero3: unit {name!r} mixes parameter dtypes {sorted(map(str, dtypes))}; convert the model "
+                f"zero3: unit {name!r} mixes parameter dtypes {sorted(map(str, own_dtypes))}; convert the model "
                 "to one dtype before training (the `precision` flag does this for you)."
             )
         self.name = name
         self.comm = comm
         self.ledger = ledger
         self.persistent = persistent
-        self.dtype = dtypes.pop()
+        self.dtype = own_dtypes.pop()  # the master dtype
+        self.compute_dtype = dtypes.compute or self.dtype
+        self.reduce_dtype = dtypes.reduce or self.dtype
         world, rank = comm.world_size, comm.rank
         total = sum(p.numel() for _, p in named_params)
         self.shard_numel = -(-total // world)  # ceil division
         self.numel = total
-        self.full = new_buffer(self.shard_numel * world, self.dtype, device)
         self.shard = new_buffer(self.shard_numel, self.dtype, device)
         self.grad_shard = (
             new_buffer(self.shard_numel, self.dtype, device) if any(p.requires_grad for _, p in named_params) else None
         )
 
-        offset = 0
         with torch.no_grad():
-            for _, p in named_params:
-                self.full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-                offset += p.numel()
+            master = torch.cat([p.detach().reshape(-1) for _, p in named_params])
+            master = torch.nn.functional.pad(master, (0, self.shard_numel * world - total))
             if sync_from_rank0:
-                comm.broadcast(self.full, src=0)
+                comm.broadcast(master, src=0)
             start = rank * self.shard_numel
-            self.shard.copy_(self.full[start : start + self.shard_numel])
+            self.shard.copy_(master[start : start + self.shard_numel])
+            self.full = new_buffer(master.numel(), self.compute_dtype, device)
+            self.full.copy_(master)
+            del master
 
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -130,10 +144,30 @@ class FlatGroup:
             restore_storage(self.full)
             self.ledger.add(self._full_category, self._nbytes(self.full))
         with torch.no_grad():
-            self.comm.all_gather(self.full, self.shard)
+            source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+            self.comm.all_gather(self.full, source)
         for slot in self.slots:
             mark_gathered(slot.param, slot.original_class)
         self.gathered = True
+
+    def gather_master(self) -> torch.Tensor:
+        """A new flat tensor with the full parameters in the master dtype (for checkpoints, teardown)."""
+        flat = torch.empty(self.full.numel(), dtype=self.dtype, device=self.shard.device)
+        with torch.no_grad():
+            self.comm.all_gather(flat, self.shard)
+        return flat
+
+    def load_slice(self, slot: ParamSlot, full_value: torch.Tensor) -> None:
+        """Set this rank's piece of ``slot``'s parameter from the parameter's full value."""
+        if full_value.numel() != slot.numel:
+            raise ValueError(
+                f"zero3: the value for {slot.name} has {full_value.numel()} elements, the parameter "
+                f"{tuple(slot.param.shape)} has {slot.numel}; the state dict was written for another model."
+            )
+        start = self.comm.rank * self.shard_numel + slot.lo - slot.offset
+        with torch.no_grad():
+            piece = full_value.reshape(-1)[start : start + slot.hi - slot.lo]
+            self.shard[slot.lo : slot.hi].copy_(piece)
 
     def release(self) -> None:
         """Free the full parameters (persistent groups are never released)."""
@@ -148,7 +182,8 @@ class FlatGroup:
     def write_back(self, src: int | None = None) -> None:
         """Copy the (gathered, possibly modified) full parameters into this rank's shard.
 
-        With ``src`` set, that rank's full parameters are broadcast first, so all ranks agree.
+        With ``src`` set, that rank's full parameters are broadcast first, so all ranks agree. Under a
+        lower compute dtype the shard receives the gathered (rounded) values.
         """
         assert self.gathered, "write_back needs the group gathered"
         with torch.no_grad():
@@ -158,12 +193,14 @@ class FlatGroup:
             self.shard.copy_(self.full[start : start + self.shard_numel])
 
     def unshard(self) -> None:
-        """Turn the parameters back into ordinary, independent full tensors (at teardown)."""
-        self.gather()
+        """Turn the parameters back into ordinary, independent full tensors in the master dtype (at teardown)."""
+        master = self.gather_master()
         for slot in self.slots:
-            slot.param.data = slot.param.data.clone()
-        free_storage(self.full)
-        self.ledger.remove(self._full_category, self._nbytes(self.full))
+            mark_gathered(slot.param, slot.original_class)
+            slot.param.data = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
+        if self.gathered:
+            free_storage(self.full)
+            self.ledger.remove(self._full_category, self._nbytes(self.full))
         self.ledger.remove(PARAM_SHARDS, self._nbytes(self.shard))
         if self.grad_shard is not None:
             self.ledger.remove(GRAD_SHARDS, self._nbytes(self.grad_shard))

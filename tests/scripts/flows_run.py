@@ -5,6 +5,8 @@ Modes:
             injected DistributedSampler, gathered_parameters inside a hook, manual optimization vs DDP.
   touch     a hook reads a sharded weight without gathered_parameters (must fail, naming the remedy).
   frozen    fit of a model with no trainable parameter (must fail before training).
+  fp16      16-mixed with an inf injected into rank 1's gradient shard at step 3, vs step 3 skipped by
+            construction; per-step loss scales on every rank; the scaler state in a checkpoint.
   resume    1 epoch (3 steps), save, resume for a 2nd epoch (under zero3 and DDP) vs 2 uninterrupted epochs.
 """
 
@@ -149,6 +151,58 @@ def resume(out: Path) -> dict:
     return runs
 
 
+INJECT_AT = 3
+
+
+class Fp16GPT(FlowsGPT):
+    """Records the loss scale at every step; ``mode`` says what happens at step INJECT_AT."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.scales: list[float] = []
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model.loss(*batch[:2])
+        self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))
+        return loss
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if self.mode == "skip" and batch_idx == INJECT_AT:
+            optimizer_closure()  # forward and backward, then no step: skipped by construction
+            return
+        optimizer.step(closure=optimizer_closure)
+
+    def on_after_backward(self):
+        if self.mode == "inject" and self.trainer.global_step == INJECT_AT and self.global_rank == 1:
+            grad = next(p.grad for p in self.trainer.strategy.engine.shard_params if p.grad is not None and p.grad.numel())
+            grad[0] = float("inf")  # one element of one rank's shard: only this rank sees it
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.scales.append(self.trainer.precision_plugin.scaler.scale)
+
+
+def fp16(out: Path) -> dict:
+    result = {}
+    for mode in ("inject", "skip"):
+        pl.seed_everything(0)
+        module = Fp16GPT(mode)
+        t = trainer(zero3(), max_steps=8, plugins=[lightning_zero3.Zero3Precision("16-mixed")])
+        t.fit(module, DataLoader(indexed_data(), batch_size=2))
+        scaler = t.precision_plugin.scaler
+        result[mode] = {"losses": module.losses, "scales": module.scales, "skipped": scaler.skipped_steps}
+        if mode == "inject":
+            t.save_checkpoint(out / "fp16.ckpt")
+            checkpoint = torch.load(out / "fp16.ckpt", weights_only=True)
+            result["checkpointed_scaler"] = checkpoint.get("Zero3Precision")
+    resumed = Fp16GPT("resume")
+    t = trainer(zero3(), max_steps=9, plugins=[lightning_zero3.Zero3Precision("16-mixed")])
+    t.fit(resumed, DataLoader(indexed_data(), batch_size=2), ckpt_path=out / "fp16.ckpt")
+    result["resumed_scales"] = resumed.scales
+    return result
+
+
 def expect_failure(module: pl.LightningModule) -> dict:
     try:
         trainer(zero3(), max_steps=2).fit(module, DataLoader(indexed_data(), batch_size=4))
@@ -159,13 +213,15 @@ def expect_failure(module: pl.LightningModule) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["flows", "touch", "frozen", "resume"])
+    parser.add_argument("mode", choices=["flows", "touch", "frozen", "resume", "fp16"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
     if args.mode == "flows":
         result = flows()
+    elif args.mode == "fp16":
+        result = fp16(args.out)
     elif args.mode == "resume":
         result = resume(args.out)
     elif args.mode == "touch":

@@ -43,7 +43,12 @@ class StepLosses(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
-            self.memory = {"report": engine.memory_report(), "units": engine.unit_sizes()}
+            stats = engine.comm.stats
+            self.memory = {
+                "report": engine.memory_report(),
+                "units": engine.unit_sizes(),
+                "comm_bytes": {kind: stats[kind].bytes for kind in stats},
+            }
 
 
 class FrozenGPT(GPTModule):
@@ -81,28 +86,35 @@ VARIANTS = {
     "checkpointing": (lambda cfg: GPTModule(GPTConfig(**{**cfg.__dict__, "activation_checkpointing": True})), {}),
     "scheduler": (lambda cfg: ScheduledGPT(cfg), {}),
     "sgd": (lambda cfg: SGDGPT(cfg), {}),
+    "bf16": (lambda cfg: GPTModule(cfg), {"precision": "bf16-mixed", "max_steps": 20}),
+    "bf16_reduce_bf16": (lambda cfg: GPTModule(cfg), {"precision": "bf16-mixed", "max_steps": 20}),
+    "bf16_true": (lambda cfg: GPTModule(cfg), {"precision": "bf16-true", "max_steps": 20}),
 }
+# zero3 knobs per variant (DDP has no equivalent)
+ZERO3_KNOBS = {"bf16_reduce_bf16": {"reduce_dtype": "bf16"}}
 
 
-def strategy_for(name: str, threshold: int):
+def strategy_for(name: str, variant: str, threshold: int):
     if name == "zero3":
-        return lightning_zero3.Zero3Strategy(persistence_threshold=threshold)
+        return lightning_zero3.Zero3Strategy(persistence_threshold=threshold, **ZERO3_KNOBS.get(variant, {}))
     return name
 
 
 def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) -> None:
     factory, trainer_kwargs = VARIANTS[variant]
+    trainer_kwargs = dict(trainer_kwargs)
+    steps = trainer_kwargs.pop("max_steps", STEPS)
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=3, n_head=4, n_embd=64)
     pl.seed_everything(1234, workers=True)
     model = factory(cfg)
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
-    data = random_tokens(STEPS * accumulate * BATCH * devices, cfg.block_size, cfg.vocab_size, seed=7)
+    data = random_tokens(steps * accumulate * BATCH * devices, cfg.block_size, cfg.vocab_size, seed=7)
     record = StepLosses()
     trainer = pl.Trainer(
-        strategy=strategy_for(strategy, threshold),
+        strategy=strategy_for(strategy, variant, threshold),
         accelerator="cpu",
         devices=devices,
-        max_steps=STEPS,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
