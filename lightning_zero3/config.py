@@ -53,6 +53,27 @@ class Zero3Config:
     everything else belongs to the root unit. Otherwise a list of module classes or class names, or a
     callable ``module -> bool``."""
 
+    prefetch_bucket_size: int = 50_000_000
+    """Elements gathered ahead of use: when a unit starts forward (or backward), the next units in the
+    recorded execution order are all-gathered asynchronously while it computes, up to this many
+    elements (at most two gathers in flight). 0 turns prefetch off. DeepSpeed: ``stage3_prefetch_bucket_size``."""
+
+    max_live_parameters: int = 1_000_000_000
+    """Most elements of full (gathered) parameters alive at once; prefetch stops short of it.
+    DeepSpeed: ``stage3_max_live_parameters``."""
+
+    overlap_comm: bool = True
+    """Run prefetch all-gathers and gradient reduce-scatters asynchronously, overlapped with compute
+    (at most two reduce-scatters in flight). False: every collective completes before compute goes on."""
+
+    tune_collectives: bool = True
+    """At start-up, time each way of doing the all-gather and the reduce-scatter at the sizes this model
+    uses, on this job's process group, and use the fastest (see ``engine/comm.py``)."""
+
+    cpu_threads: Optional[int] = None
+    """Compute threads per rank on CPU (``torch.set_num_threads``). None: the machine's cores divided by
+    the ranks on this node, so ranks do not oversubscribe the cores."""
+
     reduce_dtype: Optional[str] = None
     """Dtype gradients are reduce-scattered in: ``"fp32"``, ``"bf16"`` or ``"fp16"``. ``None``: fp32 under
     ``32-true`` and the ``*-mixed`` flags (gradients accumulate in fp32 shards either way), the
@@ -71,6 +92,14 @@ class Zero3Config:
     def __post_init__(self) -> None:
         _check_int("persistence_threshold", self.persistence_threshold, minimum=0)
         object.__setattr__(self, "persistence_threshold", int(self.persistence_threshold))
+        for name in ("prefetch_bucket_size", "max_live_parameters"):
+            _check_int(name, getattr(self, name), minimum=0)
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, minimum=1)
+        for name in ("overlap_comm", "tune_collectives"):
+            if not isinstance(getattr(self, name), bool):
+                raise Zero3ConfigError(f"zero3: `{name}` must be True or False, got {getattr(self, name)!r}.")
         _check_unit_modules(self.unit_modules)
         if isinstance(self.unit_modules, (type, str, list, set, frozenset)):
             names = [self.unit_modules] if isinstance(self.unit_modules, (type, str)) else self.unit_modules

@@ -9,6 +9,7 @@ holds. Everything ZeRO-3 itself does lives in ``engine/``.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from typing import Any, Generator, Mapping, Optional, Union
 
@@ -43,6 +44,12 @@ from .engine import Communicator, NoTrainableParametersError, Zero3Engine
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 
 log = logging.getLogger(__name__)
+
+
+def cpu_threads_per_rank(ranks_on_node: int) -> int:
+    """The cores this process may use, shared evenly by the ranks on this node."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, ranks_on_node))
 
 
 class _RootCall(nn.Module):
@@ -155,6 +162,8 @@ class Zero3Strategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.root_device.type == "cpu":
+            torch.set_num_threads(self.config.cpu_threads or cpu_threads_per_rank(self.num_processes))
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(

@@ -22,6 +22,7 @@ from torch import nn
 from ..config import Zero3Config
 from .comm import Communicator
 from .hooks import HookManager, UnitRuntime
+from .schedule import Schedule
 from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
 from .optim import clip_grad_norm_, clip_grad_value_, shard_optimizer
 from .shard import DtypePolicy, FlatGroup, ParamSlot
@@ -57,20 +58,24 @@ class Zero3Engine:
 
         self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
         sync = self.config.sync_module_states
-        self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []
+        self.root: Optional[UnitRuntime] = None  # the root unit, if it owns sharded parameters
+        self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []  # every other unit, in module order
         for spec in self.plan.units:
             if spec.params:
-                group = FlatGroup(
-                    spec.path or "<root>", spec.params, self.comm, self.ledger, self.device, False, sync, dtypes
-                )
-                self.unit_runtimes.append((spec.module, UnitRuntime(group.name, group, self.comm)))
+                name = spec.path or "<root>"
+                group = FlatGroup(name, spec.params, self.comm, self.ledger, self.device, False, sync, dtypes)
+                if spec is self.plan.root:
+                    self.root = UnitRuntime(name, group, self.comm)
+                else:
+                    self.unit_runtimes.append((spec.module, UnitRuntime(name, group, self.comm)))
         self.persistent: Optional[UnitRuntime] = None
         if self.plan.persistent:
             group = FlatGroup(
                 "<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync, dtypes
             )
             self.persistent = UnitRuntime(group.name, group, self.comm)
-        self.runtimes = [rt for _, rt in self.unit_runtimes] + ([self.persistent] if self.persistent else [])
+        units = [rt for _, rt in self.unit_runtimes]
+        self.runtimes = [rt for rt in [self.root, *units, self.persistent] if rt is not None]
         self.slots: dict[int, ParamSlot] = {}  # by id of the user's parameter
         self._slot_of_shard: dict[int, tuple[FlatGroup, ParamSlot]] = {}  # by id of the shard parameter
         for runtime in self.runtimes:
@@ -78,7 +83,15 @@ class Zero3Engine:
                 self.slots[id(slot.param)] = slot
                 self._slot_of_shard[id(slot.shard_param)] = (runtime.group, slot)
                 setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
-        self.hooks = HookManager(self.unit_runtimes, self.persistent)
+        cfg = self.config
+        self.schedule = Schedule(units, self.comm, cfg.prefetch_bucket_size, cfg.max_live_parameters)
+        self.hooks = HookManager(
+            module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm
+        )
+        if cfg.tune_collectives:
+            sizes = {(rt.group.full.numel(), dtype) for rt in self.runtimes
+                     for dtype in (rt.group.compute_dtype, rt.group.reduce_dtype)}  # fmt: skip
+            self.comm.tune(sizes, self.device)
         for runtime in self.runtimes:
             runtime.maybe_release()
         self.ledger.reset_peak()
@@ -187,8 +200,9 @@ class Zero3Engine:
         return report
 
     def unit_sizes(self) -> dict[str, int]:
-        """Full (gathered) bytes of every unit, by unit name."""
-        return {rt.name: rt.group.full.numel() * rt.group.full.element_size() for _, rt in self.unit_runtimes}
+        """Full (gathered) bytes of every unit (the root included), by unit name."""
+        units = ([self.root] if self.root else []) + [rt for _, rt in self.unit_runtimes]
+        return {rt.name: rt.group.full.numel() * rt.group.full.element_size() for rt in units}
 
     @property
     def gathered_bytes(self) -> int:

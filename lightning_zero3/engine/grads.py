@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Communicator
+from typing import Optional
+
+from .comm import Communicator, Pending
 from .shard import FlatGroup
 
 
-def reduce_group_gradients(group: FlatGroup, comm: Communicator) -> None:
-    """Reduce-scatter the group's full gradients into the shard gradients and free the full ones."""
+def reduce_group_gradients(
+    group: FlatGroup, comm: Communicator, async_op: bool = False
+) -> Optional["_Accumulation"]:
+    """Reduce-scatter the group's full gradients into the shard gradients and free the full ones.
+
+    With ``async_op`` the reduce-scatter is only issued: the returned ``Pending`` adds the result into
+    the shard gradients when waited on. The full gradients are free either way.
+    """
     if group.grad_shard is None:
-        return
+        return None
     flat = torch.zeros(group.full.numel(), dtype=group.reduce_dtype, device=group.shard.device)
     for slot in group.trainable_slots:
         grad = slot.param.grad
@@ -32,8 +40,34 @@ def reduce_group_gradients(group: FlatGroup, comm: Communicator) -> None:
     if comm.world_size > 1:
         flat.div_(comm.world_size)
     reduced = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
-    comm.reduce_scatter(reduced, flat)
-    del flat
+    pending = comm.reduce_scatter(reduced, flat, async_op=True)
+    assert pending is not None
+    return _Accumulation(pending, group, reduced, flat).finish(async_op)
+
+
+class _Accumulation:
+    """A reduce-scatter in flight and what to do with its result: add it into the shard gradients."""
+
+    def __init__(self, pending: Pending, group: FlatGroup, reduced: torch.Tensor, flat: torch.Tensor) -> None:
+        self.pending, self.group, self.reduced, self.flat = pending, group, reduced, flat
+        self.done = False
+
+    def finish(self, async_op: bool) -> Optional["_Accumulation"]:
+        if async_op:
+            return self
+        self.wait()
+        return None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.pending.wait()
+        _accumulate(self.group, self.reduced)
+        self.reduced = self.flat = None  # type: ignore[assignment]
+        self.done = True
+
+
+def _accumulate(group: FlatGroup, reduced: torch.Tensor) -> None:
     for slot in group.trainable_slots:
         if slot.hi == slot.lo:
             continue

@@ -5,7 +5,8 @@ Per unit, three reasons keep its full parameters gathered; it is released when n
   - ``backward_hold``: its backward has started and its gradients are not reduced yet;
   - ``context_holds``: a ``gathered_parameters`` block is open on it.
 
-Forward:  pre-hook gathers; post-hook registers a pre-backward hook on the outputs and releases.
+Forward:  pre-hook gathers (and prefetches the next units, see ``schedule.py``); post-hook registers a
+          pre-backward hook on the outputs and releases.
 Backward: the pre-backward hook (first gradient reaching an output) re-gathers; each parameter's
           post-accumulate-grad hook counts it in; when every trainable parameter of the group has its
           gradient, the group's gradients are reduce-scattered and the unit is released.
@@ -25,6 +26,7 @@ arrive anyway, the end-of-backward callback reduces it (reduction adds into the 
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .comm import Communicator
 from .grads import reduce_group_gradients
+from .schedule import Schedule
 from .shard import FlatGroup
 
 
@@ -60,21 +63,42 @@ class UnitRuntime:
         if self.forward_depth == 0 and not self.backward_hold and self.context_holds == 0:
             self.group.release()
 
-    def reduce(self) -> None:
-        reduce_group_gradients(self.group, self.comm)
+    def reduce(self, async_op: bool = False):
         self.grads_ready = 0
+        return reduce_group_gradients(self.group, self.comm, async_op=async_op)
+
+
+MAX_INFLIGHT_REDUCES = 2
 
 
 class HookManager:
-    """Installs the hooks of every unit and drives ``UnitRuntime`` from them."""
+    """Installs the hooks of every unit and drives ``UnitRuntime`` (and the prefetch ``Schedule``) from them.
 
-    def __init__(self, units: list[tuple[nn.Module, UnitRuntime]], persistent: Optional[UnitRuntime]) -> None:
-        self.units = units
-        self.persistent = persistent
-        self.runtimes = [rt for _, rt in units] + ([persistent] if persistent else [])
+    The root unit (if it owns sharded parameters) is gathered for the whole forward and backward and
+    is not prefetched; a forward of the root module starts a new pass of the schedule. With ``overlap``, prefetched gathers and reduce-scatters run asynchronously, at most
+    ``MAX_INFLIGHT_REDUCES`` reduce-scatters in flight; everything is complete when backward ends.
+    """
+
+    def __init__(
+        self,
+        root_module: nn.Module,
+        root: Optional[UnitRuntime],
+        units: list[tuple[nn.Module, UnitRuntime]],
+        persistent: Optional[UnitRuntime],
+        schedule: Schedule,
+        overlap: bool,
+    ) -> None:
+        self.root = root
+        self.schedule = schedule
+        self.overlap = overlap
+        self.runtimes = [rt for rt in [root, *(rt for _, rt in units), persistent] if rt is not None]
         self._handles: list[RemovableHandle] = []
-        self._final_callback_queued = False
-        for module, runtime in units:
+        self._root_depth = 0
+        self._backward_running = False  # a backward pass has started and its end callback is queued
+        self._reductions: deque = deque()  # reduce-scatters in flight
+        self._handles.append(root_module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+        self._handles.append(root_module.register_forward_hook(self._root_post_forward))
+        for module, runtime in ([(root_module, root)] if root else []) + units:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(runtime)))
             self._handles.append(module.register_forward_hook(self._post_forward(runtime)))
         for runtime in self.runtimes:
@@ -86,16 +110,38 @@ class HookManager:
             handle.remove()
         self._handles = []
 
+    def _start(self, phase: str, runtime: UnitRuntime) -> None:
+        """Gather ``runtime`` and issue the prefetches the schedule asks for (root: no schedule)."""
+        if runtime is self.root:
+            runtime.acquire()
+            return
+        ahead = self.schedule.on_start(phase, runtime)
+        runtime.group.start_gather()
+        for unit in ahead:
+            unit.group.start_gather()
+        runtime.acquire()
+
     # -- forward ----------------------------------------------------------------------------------
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            if self._root_depth == 0:
+                self.schedule.begin("forward")
+            self._root_depth += 1
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not in_backward():
+            self._root_depth -= 1
 
     def _pre_forward(self, runtime: UnitRuntime) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             if in_backward():
                 # [Note: forward inside backward]
                 runtime.backward_hold = True
-            else:
-                runtime.forward_depth += 1
-            runtime.acquire()
+                runtime.acquire()
+                return
+            runtime.forward_depth += 1
+            self._start("forward", runtime)
 
         return hook
 
@@ -114,10 +160,10 @@ class HookManager:
 
     def _register_pre_backward(self, runtime: UnitRuntime, output: Any) -> None:
         def hook(grad: torch.Tensor) -> None:
-            self._queue_final_callback()
+            self._begin_backward()
             if not runtime.backward_hold:
                 runtime.backward_hold = True
-                runtime.acquire()
+                self._start("backward", runtime)
 
         for tensor in _tensors_in(output):
             if tensor.requires_grad:
@@ -125,27 +171,39 @@ class HookManager:
 
     def _grad_ready(self, runtime: UnitRuntime) -> Callable:
         def hook(param: torch.Tensor) -> None:
-            self._queue_final_callback()
+            self._begin_backward()
             runtime.grads_ready += 1
             if runtime.grads_ready >= len(runtime.group.trainable_slots):
-                runtime.reduce()
+                self._reduce(runtime)
                 runtime.backward_hold = False
                 runtime.maybe_release()
 
         return hook
 
-    def _queue_final_callback(self) -> None:
-        if not self._final_callback_queued:
-            self._final_callback_queued = True
+    def _reduce(self, runtime: UnitRuntime) -> None:
+        accumulation = runtime.reduce(async_op=self.overlap)
+        if accumulation is not None:
+            self._reductions.append(accumulation)
+            while len(self._reductions) > MAX_INFLIGHT_REDUCES:
+                self._reductions.popleft().wait()
+
+    def _begin_backward(self) -> None:
+        if not self._backward_running:
+            self._backward_running = True
+            self.schedule.begin("backward")
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
-        self._final_callback_queued = False
         for runtime in self.runtimes:
             if runtime.grads_ready > 0:
-                runtime.reduce()
+                self._reduce(runtime)
+        while self._reductions:
+            self._reductions.popleft().wait()
+        for runtime in self.runtimes:
             runtime.backward_hold = False
             runtime.maybe_release()
+        self.schedule.end_backward()
+        self._backward_running = False
 
 
 def _tensors_in(output: Any) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .comm import Communicator
+from .comm import Communicator, Pending
 from .memory import (
     GATHERED_PARAMS,
     GRAD_SHARDS,
@@ -124,6 +124,8 @@ class FlatGroup:
         if self.grad_shard is not None:
             self.ledger.add(GRAD_SHARDS, self._nbytes(self.grad_shard))
         self.gathered = True
+        self.pending: Optional[Pending] = None  # an all-gather in flight into ``full``
+        self._source: Optional[torch.Tensor] = None  # what it reads, kept alive until it completes
         self.ledger.add(self._full_category, self._nbytes(self.full))
 
     # -- gather / release -------------------------------------------------------------------------
@@ -136,16 +138,26 @@ class FlatGroup:
     def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    def gather(self, force: bool = False) -> None:
-        """Make the full parameters valid. ``force`` re-gathers even when gathered (shards changed)."""
-        if self.gathered and not force:
+    def start_gather(self, force: bool = False) -> None:
+        """Issue the all-gather of the full parameters without waiting for it (prefetch)."""
+        if self.pending is not None or (self.gathered and not force):
             return
         if not self.gathered:
             restore_storage(self.full)
             self.ledger.add(self._full_category, self._nbytes(self.full))
         with torch.no_grad():
-            source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
-            self.comm.all_gather(self.full, source)
+            self._source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+            self.pending = self.comm.all_gather(self.full, self._source, async_op=True)
+
+    def gather(self, force: bool = False) -> None:
+        """Make the full parameters valid (waiting for a prefetch in flight). ``force`` re-gathers even
+        when gathered (the shards changed)."""
+        if self.pending is None:
+            if self.gathered and not force:
+                return
+            self.start_gather(force)
+        self.pending.wait()
+        self.pending = self._source = None
         for slot in self.slots:
             mark_gathered(slot.param, slot.original_class)
         self.gathered = True
@@ -171,7 +183,11 @@ class FlatGroup:
 
     def release(self) -> None:
         """Free the full parameters (persistent groups are never released)."""
-        if not self.gathered or self.persistent:
+        if self.persistent:
+            return
+        if self.pending is not None:
+            self.gather()  # a buffer may not be freed under a collective still writing into it
+        if not self.gathered:
             return
         for slot in self.slots:
             mark_released(slot.param, slot.original_class)

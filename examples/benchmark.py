@@ -1,0 +1,369 @@
+"""zero3 side by side with its peers, in one run: DDP, torch FSDP2 and DeepSpeed ZeRO-3.
+
+    python examples/benchmark.py                       # ~20M-parameter GPT, 2 CPU ranks, 3 runs each
+    python examples/benchmark.py --runs 5 --steps 30   # more samples
+    python examples/benchmark.py --n-layer 2 --n-embd 64 --steps 6 --runs 1   # a quick look
+
+Every strategy trains the same GPT on the same data for the same steps, with the same seed; the runs
+alternate between strategies (A B C D, B C D A, ...) so that drift of the machine hits all alike. Each
+run is a fresh set of processes:
+
+- ``zero3``, ``ddp`` and ``fsdp2`` go through a Lightning ``Trainer`` (FSDP2 is Lightning's
+  ``ModelParallelStrategy`` with ``fully_shard`` applied per block in ``configure_model``);
+- ``deepspeed`` is the ``deepspeed`` package's ZeRO-3 engine driven by a plain loop under ``torchrun``
+  (Lightning's DeepSpeed strategy refuses CPUs); it is reported as skipped when DeepSpeed is missing.
+
+The table: median step time (the warm-up steps excluded) and tokens/s, the ratio to DDP, the highest
+per-rank peak resident memory (the OS's ``ru_maxrss``), per-rank model-state bytes (parameters +
+gradients + optimizer state held at the optimizer step), zero3's exposed communication (time the
+compute side waited for collectives, as a share of the step), and the largest relative difference of
+each strategy's per-step losses from DDP's. ``--json`` writes the same figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-embd", type=int, default=448)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--json", type=Path, default=Path("benchmark.json"))
+    p.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the parent: alternate the runs, then print the table
+
+
+def main(args: argparse.Namespace) -> dict:
+    strategies = args.strategies.split(",")
+    results: dict[str, list[dict]] = {s: [] for s in strategies}
+    skipped: dict[str, str] = {}
+    for run in range(args.runs):
+        order = strategies[run % len(strategies) :] + strategies[: run % len(strategies)]
+        for strategy in order:
+            if strategy in skipped:
+                continue
+            outcome = launch(strategy, args)
+            if isinstance(outcome, str):
+                skipped[strategy] = outcome
+            else:
+                results[strategy].append(outcome)
+            print(f"run {run + 1}/{args.runs} {strategy}: {describe(outcome)}", flush=True)
+    summary = summarize(results, skipped, args)
+    print()
+    print(table(summary, args))
+    args.json.write_text(json.dumps(summary, indent=2))
+    print(f"\nwritten to {args.json}")
+    return summary
+
+
+def launch(strategy: str, args: argparse.Namespace) -> dict | str:
+    if strategy == "deepspeed" and not _deepspeed_available():
+        return "skipped: the deepspeed package is not installed (pip install deepspeed)"
+    forwarded = [a for a in sys.argv[1:] if not a.startswith("--strategies")]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        worker = [str(HERE / "benchmark.py"), *forwarded, "--worker", strategy, "--result", str(result)]
+        if strategy == "deepspeed":
+            port = _free_port()
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.devices}",
+                   f"--master-port={port}", *worker]  # fmt: skip
+        else:
+            cmd = [sys.executable, *worker]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        if done.returncode != 0 or not result.exists():
+            return f"failed (exit {done.returncode}): {(done.stderr or done.stdout)[-1500:]}"
+        return json.loads(result.read_text())
+
+
+def describe(outcome: dict | str) -> str:
+    if isinstance(outcome, str):
+        return outcome
+    return f"median step {statistics.median(outcome['step_times']):.3f} s"
+
+
+def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> dict:
+    tokens = args.devices * args.batch_size * args.block_size
+    rows: dict[str, dict] = {}
+    for strategy, runs in results.items():
+        if not runs:
+            continue
+        step = statistics.median(statistics.median(r["step_times"]) for r in runs)
+        exposed = [r["exposed_comm_per_step"] for r in runs if r.get("exposed_comm_per_step") is not None]
+        rows[strategy] = {
+            "step_time_s": step,
+            "tokens_per_s": tokens / step,
+            "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in runs),
+            "model_state_bytes": statistics.median(r["model_state_bytes"] for r in runs),
+            "exposed_comm_s": statistics.median(exposed) if exposed else None,
+            "losses": runs[0]["losses"],
+            "runs": len(runs),
+        }
+    reference = rows.get("ddp")
+    for row in rows.values():
+        if reference:
+            row["step_time_x_ddp"] = row["step_time_s"] / reference["step_time_s"]
+            row["model_state_x_ddp"] = row["model_state_bytes"] / reference["model_state_bytes"]
+            row["loss_max_rel_diff_vs_ddp"] = max(
+                abs(a - b) / abs(b) for a, b in zip(row["losses"], reference["losses"])
+            )
+        if row["exposed_comm_s"] is not None:
+            row["exposed_comm_share"] = row["exposed_comm_s"] / row["step_time_s"]
+    return {"config": vars(args) | {"json": str(args.json), "result": None}, "rows": rows, "skipped": skipped}
+
+
+def table(summary: dict, args) -> str:
+    head = ("strategy", "step s", "tokens/s", "x DDP", "peak RSS/rank MiB", "model states/rank MiB",
+            "x DDP", "exposed comm", "losses vs DDP")  # fmt: skip
+    lines = [head]
+    for name, row in summary["rows"].items():
+        share = row.get("exposed_comm_share")
+        diff = row.get("loss_max_rel_diff_vs_ddp")
+        lines.append((
+            name,
+            f"{row['step_time_s']:.3f}",
+            f"{row['tokens_per_s']:.0f}",
+            f"{row.get('step_time_x_ddp', float('nan')):.2f}",
+            f"{row['peak_rss_bytes'] / 2**20:.0f}",
+            f"{row['model_state_bytes'] / 2**20:.1f}",
+            f"{row.get('model_state_x_ddp', float('nan')):.2f}",
+            f"{share:.1%}" if share is not None else "n/a",
+            "n/a" if diff is None else (f"match ({diff:.0e})" if diff <= 1e-4 else f"DIFFER ({diff:.1e})"),
+        ))  # fmt: skip
+    for name, why in summary["skipped"].items():
+        lines.append((name, why.splitlines()[0][:90], "", "", "", "", "", "", ""))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
+    out.insert(1, "-+-".join("-" * width for width in widths))
+    cfg = summary["config"]
+    out.append(
+        f"\nGPT {cfg['n_layer']} layers x {cfg['n_embd']} wide, {args.devices} CPU ranks, batch {cfg['batch_size']}"
+        f" x {cfg['block_size']} tokens per rank, fp32 AdamW; median over {cfg['runs']} runs of "
+        f"{cfg['steps'] - cfg['warmup']} timed steps."
+    )
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the workers: one strategy, one run; rank 0 writes the result
+
+
+def model_config(args):
+    from gpt import GPTConfig
+
+    return GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                     n_head=args.n_head, n_embd=args.n_embd)  # fmt: skip
+
+
+def dataset(args):
+    from gpt import random_tokens
+
+    return random_tokens(args.steps * args.devices * args.batch_size, args.block_size, args.vocab_size, seed=1)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def tensor_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def state_bytes(optimizer) -> int:
+    return tensor_bytes(v for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel"))
+
+
+def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.utils.data import DataLoader
+
+    import lightning_zero3
+    from gpt import GPTModule
+
+    class BenchGPT(GPTModule):
+        def configure_model(self):
+            if isinstance(self.trainer.strategy, ModelParallelStrategy):  # FSDP2: one unit per block
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for block in self.model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+
+    class Probe(pl.Callback):
+        def __init__(self) -> None:
+            self.step_times, self.losses, self.model_state, self.comm_at_warmup = [], [], 0, None
+            self._start = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == args.warmup:
+                self.comm_at_warmup = exposed_seconds(trainer)
+            self._start = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is not None:
+                r = engine.memory_report()
+                self.model_state = r["param_shards"] + r["persistent_params"] + r["grad_shards"] + r["optimizer_state"]
+            else:
+                params = list(pl_module.parameters())
+                self.model_state = tensor_bytes(params) + tensor_bytes(p.grad for p in params) + state_bytes(optimizer)
+
+        def on_train_end(self, trainer, pl_module):
+            self.comm_at_end = exposed_seconds(trainer)  # before teardown closes the engine
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            elapsed = time.perf_counter() - self._start
+            if batch_idx >= args.warmup:
+                self.step_times.append(elapsed)
+            self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+    def exposed_seconds(trainer):
+        engine = getattr(trainer.strategy, "engine", None)
+        return None if engine is None else sum(s.exposed_seconds for s in engine.comm.stats.values())
+
+    pl.seed_everything(0)
+    model = BenchGPT(model_config(args))
+    chosen = {
+        "zero3": lambda: lightning_zero3.Zero3Strategy(),
+        "ddp": lambda: "ddp",
+        "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
+    }[strategy]()
+    probe = Probe()
+    trainer = pl.Trainer(strategy=chosen, accelerator="cpu", devices=args.devices, max_steps=args.steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[probe])  # fmt: skip
+    trainer.fit(model, DataLoader(dataset(args), batch_size=args.batch_size))
+    exposed = None
+    if probe.comm_at_warmup is not None:
+        exposed = (probe.comm_at_end - probe.comm_at_warmup) / len(probe.step_times)
+    rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64)
+    state = torch.tensor([probe.model_state], dtype=torch.float64)
+    rss, state = (trainer.strategy.reduce(t, reduce_op="max") for t in (rss, state))
+    if trainer.is_global_zero:
+        write_result(args, probe.step_times, probe.losses, int(rss.item()), int(state.item()), exposed)
+
+
+def deepspeed_worker(args: argparse.Namespace) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from gpt import GPT
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(model_config(args))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-3)  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    x_all, y_all = dataset(args).tensors
+    mine_x, mine_y = x_all[rank::world], y_all[rank::world]  # as Lightning's DistributedSampler splits
+    step_times, losses = [], []
+    for step in range(args.steps):
+        x = mine_x[step * args.batch_size : (step + 1) * args.batch_size]
+        y = mine_y[step * args.batch_size : (step + 1) * args.batch_size]
+        start = time.perf_counter()
+        logits = engine(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        engine.backward(loss)
+        if step == args.steps - 1:
+            state = deepspeed_model_state(engine)
+        engine.step()
+        if step >= args.warmup:
+            step_times.append(time.perf_counter() - start)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    figures = torch.tensor([peak_rss_bytes(), state], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        write_result(args, step_times, losses, int(figures[0]), int(figures[1]), None)
+
+
+def deepspeed_model_state(engine) -> int:
+    """Parameter partitions, fp32 master partitions, gradient partitions and optimizer state of this rank."""
+    opt = engine.optimizer
+    total = tensor_bytes(getattr(p, "ds_tensor", None) for p in engine.module.parameters())
+    total += tensor_bytes(getattr(opt, "fp32_partitioned_groups_flat", []))
+    total += tensor_bytes([getattr(opt, "grad_partitions_flat_buffer", None)])
+    total += state_bytes(opt.optimizer)
+    return total
+
+
+def write_result(args, step_times, losses, rss, state, exposed) -> None:
+    args.result.write_text(json.dumps({
+        "step_times": step_times, "losses": losses, "peak_rss_bytes": rss,
+        "model_state_bytes": state, "exposed_comm_per_step": exposed,
+    }))  # fmt: skip
+
+
+def _deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.worker == "deepspeed":
+        deepspeed_worker(arguments)
+    elif arguments.worker:
+        lightning_worker(arguments.worker, arguments)
+    else:
+        main(arguments)
