@@ -38,6 +38,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed")
+# what a worker needs to know of the parent's arguments
+WORKER_ARGS = ("steps", "warmup", "devices", "batch_size", "block_size", "n_layer", "n_embd", "n_head", "vocab_size",
+               "zero3")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=448)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--zero3", default="", metavar="KNOB=VALUE,...",
+                   help="zero3 settings for this run, e.g. overlap_comm=False,prefetch_bucket_size=0")
     p.add_argument("--json", type=Path, default=Path("benchmark.json"))
     p.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -89,7 +94,7 @@ def main(args: argparse.Namespace) -> dict:
 def launch(strategy: str, args: argparse.Namespace) -> dict | str:
     if strategy == "deepspeed" and not _deepspeed_available():
         return "skipped: the deepspeed package is not installed (pip install deepspeed)"
-    forwarded = [a for a in sys.argv[1:] if not a.startswith("--strategies")]
+    forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in WORKER_ARGS]
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         worker = [str(HERE / "benchmark.py"), *forwarded, "--worker", strategy, "--result", str(result)]
@@ -191,6 +196,20 @@ def dataset(args):
     return random_tokens(args.steps * args.devices * args.batch_size, args.block_size, args.vocab_size, seed=1)
 
 
+def zero3_knobs(text: str) -> dict:
+    """``"a=1,b=False"`` -> ``{"a": 1, "b": False}`` (values read as Python literals)."""
+    import ast
+
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        try:
+            knobs[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            knobs[name.strip()] = value.strip()
+    return knobs
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -263,7 +282,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
     pl.seed_everything(0)
     model = BenchGPT(model_config(args))
     chosen = {
-        "zero3": lambda: lightning_zero3.Zero3Strategy(),
+        "zero3": lambda: lightning_zero3.Zero3Strategy(**zero3_knobs(args.zero3)),
         "ddp": lambda: "ddp",
         "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
     }[strategy]()
@@ -306,12 +325,12 @@ def deepspeed_worker(args: argparse.Namespace) -> None:
         "steps_per_print": 10**9,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    x_all, y_all = dataset(args).tensors
-    mine_x, mine_y = x_all[rank::world], y_all[rank::world]  # as Lightning's DistributedSampler splits
+    # the same batches as Lightning's injected sampler: shuffled with the global seed (0), split by rank
+    data = dataset(args)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, sampler=sampler)
     step_times, losses = [], []
-    for step in range(args.steps):
-        x = mine_x[step * args.batch_size : (step + 1) * args.batch_size]
-        y = mine_y[step * args.batch_size : (step + 1) * args.batch_size]
+    for step, (x, y) in enumerate(loader):
         start = time.perf_counter()
         logits = engine(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

@@ -62,6 +62,11 @@ class Zero3Config:
     """Most elements of full (gathered) parameters alive at once; prefetch stops short of it.
     DeepSpeed: ``stage3_max_live_parameters``."""
 
+    max_reuse_distance: int = 0
+    """A unit stays gathered from its forward to its backward when the units gathered in between hold at
+    most this many elements: 0 keeps just the last unit (its backward comes right after its forward),
+    larger values trade memory for fewer all-gathers. DeepSpeed: ``stage3_max_reuse_distance``."""
+
     overlap_comm: bool = True
     """Run prefetch all-gathers and gradient reduce-scatters asynchronously, overlapped with compute
     (at most two reduce-scatters in flight). False: every collective completes before compute goes on."""
@@ -92,7 +97,7 @@ class Zero3Config:
     def __post_init__(self) -> None:
         _check_int("persistence_threshold", self.persistence_threshold, minimum=0)
         object.__setattr__(self, "persistence_threshold", int(self.persistence_threshold))
-        for name in ("prefetch_bucket_size", "max_live_parameters"):
+        for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):
             _check_int(name, getattr(self, name), minimum=0)
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.cpu_threads is not None:

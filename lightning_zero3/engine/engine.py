@@ -84,7 +84,9 @@ class Zero3Engine:
                 self._slot_of_shard[id(slot.shard_param)] = (runtime.group, slot)
                 setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
         cfg = self.config
-        self.schedule = Schedule(units, self.comm, cfg.prefetch_bucket_size, cfg.max_live_parameters)
+        self.schedule = Schedule(
+            units, self.comm, cfg.prefetch_bucket_size, cfg.max_live_parameters, cfg.max_reuse_distance
+        )
         self.hooks = HookManager(
             module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm
         )

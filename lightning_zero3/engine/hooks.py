@@ -2,7 +2,8 @@
 
 Per unit, three reasons keep its full parameters gathered; it is released when none holds:
   - ``forward_depth``: its forward is running (nested or repeated calls count separately);
-  - ``backward_hold``: its backward has started and its gradients are not reduced yet;
+  - ``backward_hold``: its backward has started (or is due right after its forward, see
+    ``Schedule.keep_for_backward``) and its gradients are not reduced yet;
   - ``context_holds``: a ``gathered_parameters`` block is open on it.
 
 Forward:  pre-hook gathers (and prefetches the next units, see ``schedule.py``); post-hook registers a
@@ -53,6 +54,7 @@ class UnitRuntime:
         self.comm = comm
         self.forward_depth = 0
         self.backward_hold = False
+        self.backward_started = False  # its pre-backward hook ran in the current backward
         self.context_holds = 0
         self.grads_ready = 0  # trainable parameters whose gradient arrived this backward
 
@@ -152,6 +154,8 @@ class HookManager:
             runtime.forward_depth -= 1
             if torch.is_grad_enabled():
                 self._register_pre_backward(runtime, output)
+                if runtime is not self.root and self.schedule.keep_for_backward(runtime):
+                    runtime.backward_hold = True  # re-used right away by backward: do not release
             runtime.maybe_release()
 
         return hook
@@ -161,7 +165,8 @@ class HookManager:
     def _register_pre_backward(self, runtime: UnitRuntime, output: Any) -> None:
         def hook(grad: torch.Tensor) -> None:
             self._begin_backward()
-            if not runtime.backward_hold:
+            if not runtime.backward_started:
+                runtime.backward_started = True
                 runtime.backward_hold = True
                 self._start("backward", runtime)
 
@@ -200,7 +205,7 @@ class HookManager:
         while self._reductions:
             self._reductions.popleft().wait()
         for runtime in self.runtimes:
-            runtime.backward_hold = False
+            runtime.backward_hold = runtime.backward_started = False
             runtime.maybe_release()
         self.schedule.end_backward()
         self._backward_running = False

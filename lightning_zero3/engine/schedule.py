@@ -30,7 +30,12 @@ class ExecutionOrderError(RuntimeError):
 
 class Schedule:
     def __init__(
-        self, units: list["UnitRuntime"], comm: Communicator, prefetch_numel: int, max_live_numel: int
+        self,
+        units: list["UnitRuntime"],
+        comm: Communicator,
+        prefetch_numel: int,
+        max_live_numel: int,
+        max_reuse_distance: int = 0,
     ) -> None:
         self.units = units
         self.index = {id(rt): i for i, rt in enumerate(units)}
@@ -40,6 +45,8 @@ class Schedule:
         self.recording = True
         self.traces: dict[str, list["UnitRuntime"]] = {"forward": [], "backward": []}
         self.cursors = {"forward": 0, "backward": 0}
+        self.max_reuse_distance = max_reuse_distance
+        self.reuse_distance: dict[int, int] = {}  # unit -> elements gathered between its forward and backward
         self.prefetched = 0  # gathers issued ahead of use
         self.prefetch_hits = 0  # units that were already gathered (or in flight) when they started
 
@@ -52,6 +59,23 @@ class Schedule:
     def end_backward(self) -> None:
         if self.recording and self.traces["forward"]:
             self.recording = False
+            self.reuse_distance = self._reuse_distances()
+
+    def keep_for_backward(self, unit: "UnitRuntime") -> bool:
+        """Whether ``unit`` stays gathered from its forward to its backward: so it does when the units
+        gathered in between hold at most ``max_reuse_distance`` elements (the last unit: none at all).
+        DeepSpeed: ``stage3_max_reuse_distance``."""
+        distance = self.reuse_distance.get(id(unit))
+        return distance is not None and distance <= self.max_reuse_distance
+
+    def _reuse_distances(self) -> dict[int, int]:
+        forward, backward = self.traces["forward"], self.traces["backward"]
+        distances = {}
+        for unit in set(forward) & set(backward):
+            after = forward[len(forward) - forward[::-1].index(unit) :]
+            before = backward[: backward.index(unit)]
+            distances[id(unit)] = sum(rt.group.full.numel() for rt in after + before)
+        return distances
 
     def on_start(self, phase: str, unit: "UnitRuntime") -> list["UnitRuntime"]:
         """Record or check ``unit`` starting ``phase``; returns the units to gather ahead."""

@@ -86,6 +86,7 @@ VARIANTS = {
     "checkpointing": (lambda cfg: GPTModule(GPTConfig(**{**cfg.__dict__, "activation_checkpointing": True})), {}),
     "scheduler": (lambda cfg: ScheduledGPT(cfg), {}),
     "sgd": (lambda cfg: SGDGPT(cfg), {}),
+    "fp32_20": (lambda cfg: GPTModule(cfg), {"max_steps": 20}),  # the fp32 twin of the bf16 runs
     "bf16": (lambda cfg: GPTModule(cfg), {"precision": "bf16-mixed", "max_steps": 20}),
     "bf16_reduce_bf16": (lambda cfg: GPTModule(cfg), {"precision": "bf16-mixed", "max_steps": 20}),
     "bf16_true": (lambda cfg: GPTModule(cfg), {"precision": "bf16-true", "max_steps": 20}),

@@ -1,0 +1,34 @@
+"""examples/benchmark.py runs every strategy on a small model and writes a table and JSON of sane figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--strategies", "zero3,ddp,fsdp2,deepspeed"]
+    cmd += ["--runs", "1", "--steps", "5", "--warmup", "2", "--n-layer", "2", "--n-embd", "64", "--n-head", "2"]
+    cmd += ["--block-size", "32", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    rows = summary["rows"]
+    assert {"zero3", "ddp", "fsdp2"} <= rows.keys()
+    if importlib.util.find_spec("deepspeed") is None:
+        assert "not installed" in summary["skipped"]["deepspeed"]
+    else:
+        assert "deepspeed" in rows
+    for name, row in rows.items():
+        assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 2**20
+        assert row["model_state_bytes"] > 0
+        assert row["loss_max_rel_diff_vs_ddp"] <= 1e-4, name  # every peer trains the same model alike
+    assert rows["ddp"]["step_time_x_ddp"] == 1.0
+    assert 0 <= rows["zero3"]["exposed_comm_share"] <= 1
+    assert "x DDP" in done.stdout and "zero3" in done.stdout
