@@ -6,6 +6,7 @@ and ``pytorch_lightning`` when that package is installed), so ``Trainer(strategy
 
 from .config import UnsupportedPrecisionError, Zero3Config, Zero3ConfigError
 from .engine import (
+    ExecutionOrderError,
     NoTrainableParametersError,
     OptimizerShardingError,
     ParameterNotGatheredError,
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 register_strategies()
 
 __all__ = [
+    "ExecutionOrderError",
     "NoTrainableParametersError",
     "OptimizerShardingError",
     "ParameterNotGatheredError",

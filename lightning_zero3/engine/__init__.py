@@ -4,9 +4,11 @@ from .comm import Communicator
 from .engine import NoTrainableParametersError, Zero3Engine, gathered_parameters
 from .optim import OptimizerShardingError
 from .released import ParameterNotGatheredError
+from .schedule import ExecutionOrderError
 
 __all__ = [
     "Communicator",
+    "ExecutionOrderError",
     "NoTrainableParametersError",
     "OptimizerShardingError",
     "ParameterNotGatheredError",
