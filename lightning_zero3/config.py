@@ -67,6 +67,13 @@ class Zero3Config:
     most this many elements: 0 keeps just the last unit (its backward comes right after its forward),
     larger values trade memory for fewer all-gathers. DeepSpeed: ``stage3_max_reuse_distance``."""
 
+    reduce_bucket_size: int = 1_000_000
+    """Units smaller than this many elements are *small*: their gradients are reduce-scattered together,
+    one collective per bucket of this size, and the small units gathered at one time (a unit and its
+    prefetches) share one all-gather: fewer, larger messages. Larger units go alone, their gradients as
+    soon as their backward ends, overlapped with the rest of it. DeepSpeed's ``reduce_bucket_size`` defaults to 5e8, which
+    would hold every gradient of a smaller model until backward ends; 1e6 keeps the overlap."""
+
     overlap_comm: bool = True
     """Run prefetch all-gathers and gradient reduce-scatters asynchronously, overlapped with compute
     (at most two reduce-scatters in flight). False: every collective completes before compute goes on."""
@@ -97,7 +104,7 @@ class Zero3Config:
     def __post_init__(self) -> None:
         _check_int("persistence_threshold", self.persistence_threshold, minimum=0)
         object.__setattr__(self, "persistence_threshold", int(self.persistence_threshold))
-        for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):
+        for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance", "reduce_bucket_size"):
             _check_int(name, getattr(self, name), minimum=0)
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.cpu_threads is not None:

@@ -301,3 +301,61 @@ def test_prefetch_and_async_reduce_keep_ddp_parity(overlap):
         assert result["hits"] >= result["prefetched"]
         assert 0 <= result["exposed"] <= result["total"]
     assert results[0]["choice"] == results[1]["choice"]  # measured choice, agreed by the ranks
+
+
+class ManySmall(nn.Module):
+    """Eight small units: their gradients travel in buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(8))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return h @ self.emb.weight.t()
+
+
+def _bucket_case(rank: int, world: int, bucket: int) -> dict:
+    torch.manual_seed(0)
+    reference = ManySmall()
+    model = copy.deepcopy(reference)
+    engine = Zero3Engine(model, Zero3Config(persistence_threshold=0, reduce_bucket_size=bucket))
+    ddp = nn.parallel.DistributedDataParallel(reference)
+    opts = [torch.optim.AdamW(ddp.parameters()), engine.shard_optimizer(torch.optim.AdamW(model.parameters()))]
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        x = torch.randint(0, 64, (4, 8), generator=g)
+        losses.append([])
+        for net, optimizer in zip((ddp, model), opts):
+            loss = _loss(net, x, x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[-1].append(float(loss.detach()))
+    reduce_scatters = engine.comm.stats["reduce_scatter"].count
+    all_gathers = engine.comm.stats["all_gather"].count
+    engine.close()
+    diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
+    return {"losses": losses, "diff": diff, "reduce_scatters": reduce_scatters, "all_gathers": all_gathers}
+
+
+@pytest.mark.parametrize("bucket,per_step", [(0, 9), (3_000, 3)])
+def test_small_units_reduce_and_gather_together_with_ddp_parity(bucket, per_step):
+    # 9 units (8 layers of 1056 elements, the root's 2048): alone, 9 reduce-scatters a step; in buckets
+    # of 3000 elements, in backward order: 3 layers (3168), 3 layers, then 2 layers + the root
+    for result in run_ranks(_bucket_case, 2, bucket):
+        for ddp_loss, zero3_loss in result["losses"]:
+            assert zero3_loss == pytest.approx(ddp_loss, rel=1e-6)
+        assert result["diff"] < 1e-5
+        assert result["reduce_scatters"] == 3 * per_step
+
+
+def test_small_units_gathers_are_coalesced():
+    alone = run_ranks(_bucket_case, 2, 0)[0]["all_gathers"]
+    together = run_ranks(_bucket_case, 2, 3_000)[0]["all_gathers"]
+    # after the recorded first step each layer starts with its prefetched successors in one collective
+    assert together < alone

@@ -88,7 +88,8 @@ class Zero3Engine:
             units, self.comm, cfg.prefetch_bucket_size, cfg.max_live_parameters, cfg.max_reuse_distance
         )
         self.hooks = HookManager(
-            module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm
+            module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm,
+            cfg.reduce_bucket_size,
         )
         if cfg.tune_collectives:
             sizes = {(rt.group.full.numel(), dtype) for rt in self.runtimes

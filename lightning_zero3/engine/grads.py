@@ -1,9 +1,9 @@
 """Gradient reduction: full gradients of a group -> this rank's gradient shard.
 
 After a group's backward, each rank holds full gradients (``param.grad``) computed from its own
-micro-batch. ``reduce_group_gradients`` packs them into one flat buffer, divides by the world size
-(so the result is the mean over ranks, as DDP computes it), reduce-scatters, and adds this rank's
-slice into the shard parameters' ``.grad``. The full gradients are dropped right away. Gradients
+micro-batch. ``pack_gradients`` packs them into one flat buffer and divides by the world size (so the
+result is the mean over ranks, as DDP computes it); ``reduce_packed`` reduce-scatters one group, or a
+bucket of small groups in one collective, and adds this rank's slice into the shard parameters' ``.grad``. The full gradients are dropped right away. Gradients
 travel in the group's reduce dtype and are accumulated in the master dtype.
 
 Accumulation follows torch's own rule, per shard parameter: if its ``.grad`` is None (the optimizer's
@@ -21,14 +21,9 @@ from .comm import Communicator, Pending
 from .shard import FlatGroup
 
 
-def reduce_group_gradients(
-    group: FlatGroup, comm: Communicator, async_op: bool = False
-) -> Optional["_Accumulation"]:
-    """Reduce-scatter the group's full gradients into the shard gradients and free the full ones.
-
-    With ``async_op`` the reduce-scatter is only issued: the returned ``Pending`` adds the result into
-    the shard gradients when waited on. The full gradients are free either way.
-    """
+def pack_gradients(group: FlatGroup, comm: Communicator) -> Optional[torch.Tensor]:
+    """The group's full gradients as one flat, padded buffer in the reduce dtype, divided by the world
+    size; the parameters' own ``.grad`` are freed. None when the group has nothing trainable."""
     if group.grad_shard is None:
         return None
     flat = torch.zeros(group.full.numel(), dtype=group.reduce_dtype, device=group.shard.device)
@@ -39,17 +34,48 @@ def reduce_group_gradients(
             slot.param.grad = None
     if comm.world_size > 1:
         flat.div_(comm.world_size)
-    reduced = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
-    pending = comm.reduce_scatter(reduced, flat, async_op=True)
+    return flat
+
+
+def reduce_packed(
+    packed: list[tuple[FlatGroup, torch.Tensor]], comm: Communicator, async_op: bool = False
+) -> Optional["_Accumulation"]:
+    """One reduce-scatter for the packed gradients of one or more groups (a bucket).
+
+    [Note: coalesced reduce-scatter]
+    A reduce-scatter hands rank r the r-th contiguous slice of its input. For several groups at once,
+    the input is laid out rank-major, ``[g1 slice 0 | g2 slice 0 | ... | g1 slice 1 | g2 slice 1 | ...]``,
+    so rank r receives ``[g1 slice r | g2 slice r | ...]``: each group's shard, side by side.
+    """
+    if len(packed) == 1:
+        group, flat = packed[0]
+        reduced = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
+        pending = comm.reduce_scatter(reduced, flat, async_op=True)
+        assert pending is not None
+        return _Accumulation(pending, [(group, reduced)], [flat]).finish(async_op)
+    world = comm.world_size
+    widths = [group.shard_numel for group, _ in packed]
+    first = packed[0][1]
+    rank_major = torch.empty(world, sum(widths), dtype=first.dtype, device=first.device)
+    offset = 0
+    pieces = []
+    for (group, flat), width in zip(packed, widths):
+        rank_major[:, offset : offset + width].copy_(flat.view(world, width))
+        pieces.append((group, offset, width))
+        offset += width
+    reduced = torch.empty(offset, dtype=first.dtype, device=first.device)
+    pending = comm.reduce_scatter(reduced, rank_major.view(-1), async_op=True)
     assert pending is not None
-    return _Accumulation(pending, group, reduced, flat).finish(async_op)
+    results = [(group, reduced[start : start + width]) for group, start, width in pieces]
+    return _Accumulation(pending, results, [rank_major]).finish(async_op)
 
 
 class _Accumulation:
-    """A reduce-scatter in flight and what to do with its result: add it into the shard gradients."""
+    """A reduce-scatter in flight and what to do with its result: add each group's slice into its shard
+    gradients. ``keep`` holds the buffers the collective reads until it completes."""
 
-    def __init__(self, pending: Pending, group: FlatGroup, reduced: torch.Tensor, flat: torch.Tensor) -> None:
-        self.pending, self.group, self.reduced, self.flat = pending, group, reduced, flat
+    def __init__(self, pending: Pending, results: list[tuple[FlatGroup, torch.Tensor]], keep: list) -> None:
+        self.pending, self.results, self.keep = pending, results, keep
         self.done = False
 
     def finish(self, async_op: bool) -> Optional["_Accumulation"]:
@@ -62,8 +88,9 @@ class _Accumulation:
         if self.done:
             return
         self.pending.wait()
-        _accumulate(self.group, self.reduced)
-        self.reduced = self.flat = None  # type: ignore[assignment]
+        for group, reduced in self.results:
+            _accumulate(group, reduced)
+        self.results, self.keep = [], []
         self.done = True
 
 

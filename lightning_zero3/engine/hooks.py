@@ -36,9 +36,9 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from .comm import Communicator
-from .grads import reduce_group_gradients
+from .grads import pack_gradients, reduce_packed
 from .schedule import Schedule
-from .shard import FlatGroup
+from .shard import FlatGroup, start_gathers
 
 
 def in_backward() -> bool:
@@ -65,9 +65,10 @@ class UnitRuntime:
         if self.forward_depth == 0 and not self.backward_hold and self.context_holds == 0:
             self.group.release()
 
-    def reduce(self, async_op: bool = False):
+    def pack(self):
+        """This unit's gradients, packed for reduction (see ``grads.pack_gradients``)."""
         self.grads_ready = 0
-        return reduce_group_gradients(self.group, self.comm, async_op=async_op)
+        return pack_gradients(self.group, self.comm)
 
 
 MAX_INFLIGHT_REDUCES = 2
@@ -89,8 +90,11 @@ class HookManager:
         persistent: Optional[UnitRuntime],
         schedule: Schedule,
         overlap: bool,
+        reduce_bucket_numel: int = 0,
     ) -> None:
         self.root = root
+        self.reduce_bucket_numel = reduce_bucket_numel
+        self._bucket: list = []  # packed gradients of small units waiting to be reduced together
         self.schedule = schedule
         self.overlap = overlap
         self.runtimes = [rt for rt in [root, *(rt for _, rt in units), persistent] if rt is not None]
@@ -118,9 +122,7 @@ class HookManager:
             runtime.acquire()
             return
         ahead = self.schedule.on_start(phase, runtime)
-        runtime.group.start_gather()
-        for unit in ahead:
-            unit.group.start_gather()
+        start_gathers([runtime.group] + [unit.group for unit in ahead], self.reduce_bucket_numel)
         runtime.acquire()
 
     # -- forward ----------------------------------------------------------------------------------
@@ -186,7 +188,25 @@ class HookManager:
         return hook
 
     def _reduce(self, runtime: UnitRuntime) -> None:
-        accumulation = runtime.reduce(async_op=self.overlap)
+        """Reduce a unit's gradients: alone if it is large, else in a bucket with other small units,
+        sent once it holds ``reduce_bucket_numel`` elements (or when backward ends)."""
+        flat = runtime.pack()
+        if flat is None:
+            return
+        if flat.numel() >= self.reduce_bucket_numel:
+            self._issue([(runtime.group, flat)])
+            return
+        self._bucket.append((runtime.group, flat))
+        if sum(f.numel() for _, f in self._bucket) >= self.reduce_bucket_numel:
+            self._flush_bucket()
+
+    def _flush_bucket(self) -> None:
+        if self._bucket:
+            bucket, self._bucket = self._bucket, []
+            self._issue(bucket)
+
+    def _issue(self, packed: list) -> None:
+        accumulation = reduce_packed(packed, packed[0][0].comm, async_op=self.overlap)
         if accumulation is not None:
             self._reductions.append(accumulation)
             while len(self._reductions) > MAX_INFLIGHT_REDUCES:
@@ -202,6 +222,7 @@ class HookManager:
         for runtime in self.runtimes:
             if runtime.grads_ready > 0:
                 self._reduce(runtime)
+        self._flush_bucket()
         while self._reductions:
             self._reductions.popleft().wait()
         for runtime in self.runtimes:

@@ -142,12 +142,16 @@ class FlatGroup:
         """Issue the all-gather of the full parameters without waiting for it (prefetch)."""
         if self.pending is not None or (self.gathered and not force):
             return
-        if not self.gathered:
-            restore_storage(self.full)
-            self.ledger.add(self._full_category, self._nbytes(self.full))
+        self._begin_fill()
         with torch.no_grad():
             self._source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
             self.pending = self.comm.all_gather(self.full, self._source, async_op=True)
+
+    def _begin_fill(self) -> None:
+        """Give ``full`` its memory back before a gather writes into it."""
+        if not self.gathered:
+            restore_storage(self.full)
+            self.ledger.add(self._full_category, self._nbytes(self.full))
 
     def gather(self, force: bool = False) -> None:
         """Make the full parameters valid (waiting for a prefetch in flight). ``force`` re-gathers even
@@ -232,3 +236,56 @@ class FlatGroup:
     @property
     def trainable_slots(self) -> list[ParamSlot]:
         return [slot for slot in self.slots if slot.param.requires_grad]
+
+
+def start_gathers(groups: list[FlatGroup], coalesce_below: int) -> None:
+    """Issue the all-gathers of ``groups`` (in this order, the same on every rank) without waiting.
+
+    Groups smaller than ``coalesce_below`` elements share one all-gather.
+
+    [Note: coalesced all-gather]
+    An all-gather concatenates the ranks' inputs rank by rank. Each rank sends its shards of several
+    groups side by side, so the output is rank-major, ``[g1 slice 0 | g2 slice 0 | ... | g1 slice 1 | ...]``;
+    once it lands, each group's column block is copied into its own ``full`` buffer.
+    """
+    waiting = [g for g in groups if g.pending is None and not g.gathered]
+    small = [g for g in waiting if g.full.numel() < coalesce_below]
+    for group in waiting:
+        if group not in small or len(small) == 1:
+            group.start_gather()
+        elif group is small[0]:
+            _start_coalesced(small)
+
+
+def _start_coalesced(groups: list[FlatGroup]) -> None:
+    comm, world = groups[0].comm, groups[0].comm.world_size
+    widths = [g.shard_numel for g in groups]
+    with torch.no_grad():
+        source = torch.cat([g.shard.to(g.compute_dtype) for g in groups])
+        landing = torch.empty(world, sum(widths), dtype=source.dtype, device=source.device)
+        pending = comm.all_gather(landing.view(-1), source, async_op=True)
+
+    def scatter_columns() -> None:
+        offset = 0
+        for group, width in zip(groups, widths):
+            group.full.view(world, width).copy_(landing[:, offset : offset + width])
+            offset += width
+
+    shared = _Then(pending, scatter_columns)
+    for group in groups:
+        group._begin_fill()
+        group.pending, group._source = shared, source
+
+
+class _Then:
+    """A pending collective followed, once, by a finishing step (shared by the groups it serves)."""
+
+    def __init__(self, pending: Pending, then) -> None:
+        self._pending, self._then, self.done = pending, then, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self._pending.wait()
+            with torch.no_grad():
+                self._then()
+            self.done = True
