@@ -78,7 +78,8 @@ class HookManager:
     """Installs the hooks of every unit and drives ``UnitRuntime`` (and the prefetch ``Schedule``) from them.
 
     The root unit (if it owns sharded parameters) is gathered for the whole forward and backward and
-    is not prefetched; a forward of the root module starts a new pass of the schedule. With ``overlap``, prefetched gathers and reduce-scatters run asynchronously, at most
+    is not prefetched; a forward of the root module starts a new pass of the schedule. With
+    ``overlap``, prefetched gathers and reduce-scatters run asynchronously, at most
     ``MAX_INFLIGHT_REDUCES`` reduce-scatters in flight; everything is complete when backward ends.
     """
 
