@@ -24,7 +24,7 @@ from .comm import Communicator
 from .hooks import HookManager, UnitRuntime
 from .schedule import Schedule
 from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
-from .optim import clip_grad_norm_, clip_grad_value_, shard_optimizer
+from .optim import clip_grad_norm_, clip_grad_value_, optimizer_params, shard_optimizer
 from .shard import DtypePolicy, FlatGroup, ParamSlot
 from .state import full_optimizer_state, load_full_optimizer_state
 from .units import plan_units
@@ -106,7 +106,8 @@ class Zero3Engine:
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer`` step this rank's shards (in place; returns it for convenience)."""
         shard_optimizer(optimizer, self.slots)
-        stepped = {id(g): g for p in _params_of(optimizer) for g in [self._slot_of_shard[id(p)][0]]}
+        owners = (self._slot_of_shard[id(p)][0] for p in optimizer_params(optimizer))
+        stepped = {id(group): group for group in owners}
         self._step_handles.append(optimizer.register_step_post_hook(self._refresh_after_step(list(stepped.values()))))
         self.optimizers.append(optimizer)
         return optimizer
@@ -238,10 +239,6 @@ class Zero3Engine:
             for buffer in self.module.buffers():
                 if buffer.is_floating_point() or buffer.dtype in (torch.int64, torch.int32, torch.bool):
                     self.comm.broadcast(buffer, src=0)
-
-
-def _params_of(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 @contextmanager

@@ -45,8 +45,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, slots: dict[int, ParamSlot
         group["params"][:] = sharded
 
 
-def optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> list[nn.Parameter]:
-    return [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The optimizer's parameters in state-dict order (group by group)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def clip_grad_norm_(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .comm import Communicator
+from .optim import optimizer_params
 from .shard import FlatGroup, ParamSlot
 
 
@@ -25,7 +26,7 @@ def full_optimizer_state(
     optimizer: torch.optim.Optimizer, slot_of_shard: dict[int, tuple[FlatGroup, ParamSlot]], comm: Communicator
 ) -> dict[str, Any]:
     local = optimizer.state_dict()
-    shard_params = [p for group in optimizer.param_groups for p in group["params"]]
+    shard_params = optimizer_params(optimizer)
     per_element, scalars = _split_state(local["state"], shard_params)
     # one object collective settles which (parameter, key) pairs exist on some rank, and the scalars
     layout = {index: sorted(values) for index, values in per_element.items()}
@@ -62,7 +63,7 @@ def load_full_optimizer_state(
     slot_of_shard: dict[int, tuple[FlatGroup, ParamSlot]],
     comm: Communicator,
 ) -> None:
-    shard_params = [p for group in optimizer.param_groups for p in group["params"]]
+    shard_params = optimizer_params(optimizer)
     local_state: dict[int, dict[str, Any]] = {}
     for index, values in full["state"].items():
         index = int(index)
