@@ -9,6 +9,7 @@ names the setting and the fix.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -101,6 +102,32 @@ class Zero3Config:
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
     """How long a collective may wait for the other ranks before every rank fails with an error."""
 
+    offload_optimizer: Optional[str] = None
+    """Where the fp32 master shards and the optimizer state live: ``None`` (the training device),
+    ``"cpu"`` (host memory; the optimizer steps on the host) or ``"nvme"`` (files under ``nvme_path``,
+    streamed through host buffers). DeepSpeed: ``offload_optimizer.device``."""
+
+    offload_params: Optional[str] = None
+    """Where parameter shards live between uses: ``None`` (the training device), ``"cpu"`` or ``"nvme"``.
+    DeepSpeed: ``offload_param.device``."""
+
+    nvme_path: Optional[str] = None
+    """Directory for NVMe swap files (required when either offload setting is ``"nvme"``). The plugin
+    makes a private sub-directory of its own there and removes it at the end.
+    DeepSpeed: ``offload_optimizer.nvme_path`` / ``offload_param.nvme_path``."""
+
+    offload_pin_memory: bool = True
+    """Use page-locked host buffers for offload when CUDA is present (faster, asynchronous copies).
+    Ignored without CUDA. DeepSpeed: ``offload_*.pin_memory``."""
+
+    offload_buffer_count: int = 4
+    """Host staging buffers for offload I/O (at least 2: one being filled while another is used).
+    DeepSpeed: ``offload_*.buffer_count``."""
+
+    offload_buffer_size: int = 100_000_000
+    """Elements per offload staging buffer; tensors larger than this are streamed in pieces.
+    DeepSpeed: ``offload_param.buffer_size``."""
+
     def __post_init__(self) -> None:
         _check_int("persistence_threshold", self.persistence_threshold, minimum=0)
         object.__setattr__(self, "persistence_threshold", int(self.persistence_threshold))
@@ -129,6 +156,7 @@ class Zero3Config:
                 f"zero3: `process_group_backend={self.process_group_backend!r}` is not a torch.distributed "
                 f"backend; use one of {[b for b in _BACKENDS if b]} or None to choose by device."
             )
+        _check_offload(self)
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise Zero3ConfigError(
                 f"zero3: `timeout` must be a positive datetime.timedelta, got {self.timeout!r}; "
@@ -179,3 +207,34 @@ def _check_unit_modules(value: Any) -> None:
         raise Zero3ConfigError(
             f"zero3: `unit_modules` entry {item!r} is neither an nn.Module subclass nor a class name."
         )
+
+
+OFFLOAD_DEVICES = (None, "cpu", "nvme")
+
+
+def _check_offload(config: "Zero3Config") -> None:
+    for name in ("offload_optimizer", "offload_params"):
+        value = getattr(config, name)
+        if value in ("none", "device"):
+            object.__setattr__(config, name, None)
+        elif value not in OFFLOAD_DEVICES:
+            raise Zero3ConfigError(
+                f"zero3: `{name}={value!r}` is not an offload target; use None (stay on the training device), "
+                '"cpu" or "nvme".'
+            )
+    uses_nvme = "nvme" in (config.offload_optimizer, config.offload_params)
+    if uses_nvme and not config.nvme_path:
+        raise Zero3ConfigError(
+            "zero3: offload to \"nvme\" needs `nvme_path`, a directory on a fast local disk for the swap "
+            "files; for example nvme_path=\"/local_nvme\"."
+        )
+    if config.nvme_path is not None and not isinstance(config.nvme_path, (str, os.PathLike)):
+        raise Zero3ConfigError(f"zero3: `nvme_path` must be a directory path, got {config.nvme_path!r}.")
+    if not isinstance(config.offload_pin_memory, bool):
+        raise Zero3ConfigError(
+            f"zero3: `offload_pin_memory` must be True or False, got {config.offload_pin_memory!r}."
+        )
+    _check_int("offload_buffer_count", config.offload_buffer_count, minimum=2)
+    _check_int("offload_buffer_size", config.offload_buffer_size, minimum=1)
+    object.__setattr__(config, "offload_buffer_count", int(config.offload_buffer_count))
+    object.__setattr__(config, "offload_buffer_size", int(config.offload_buffer_size))
