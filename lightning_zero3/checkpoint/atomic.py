@@ -1,0 +1,121 @@
+"""Checkpoint directories that exist whole or not at all, and the checks that say which.
+
+[Note: atomic checkpoint directories]
+A sharded checkpoint is a directory that every rank writes into. It is first written under a hidden
+sibling name, ``.<name>.partial-<id>``; only when every rank has finished does rank 0 write the
+manifest ``zero3.json`` (sizes of every file, written last, fsynced) and rename the directory to its
+real name. A process killed mid-save therefore leaves the previous checkpoint untouched and a
+``.partial-`` directory without a manifest, which nothing mistakes for a checkpoint; the next save of
+the same name removes it. Overwriting a name (``last.ckpt``) moves the old directory aside first
+(``.<name>.old-<id>``), renames the new one in, then deletes the old: if the process dies between
+the two renames, loading the name says where the previous checkpoint is.
+
+On load, ``read_manifest`` refuses a directory without a manifest (interrupted save) and any file
+whose size differs from the manifest's (truncated or replaced), naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "zero3.json"
+TRAINER_STATE = "trainer_state.pt"
+FORMAT = "lightning_zero3.sharded"
+VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, truncated or unreadable; the message names the problem."""
+
+
+def partial_path(final: Path) -> Path:
+    return final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Record the size of every file in ``directory`` and write the manifest last (the completion mark)."""
+    files = {
+        str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+    body = {"format": FORMAT, "version": VERSION, **manifest, "files": files}
+    staging = directory / f".{MANIFEST}.tmp"
+    with open(staging, "w") as out:
+        json.dump(body, out, indent=1)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(staging, directory / MANIFEST)
+    _fsync_dir(directory)
+
+
+def commit(partial: Path, final: Path) -> None:
+    """Give the finished ``partial`` directory its real name, replacing an older checkpoint of that name."""
+    aside = None
+    if final.is_dir():
+        aside = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(final, aside)
+    elif final.exists():
+        final.unlink()  # a single-file checkpoint of the same name is replaced by the directory
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside)
+    for stale in final.parent.glob(f".{final.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the complete checkpoint at ``path``, or a ``CheckpointError`` saying what is wrong."""
+    if not path.exists():
+        leftovers = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+        hint = f" A previous checkpoint of that name was moved aside to {leftovers[-1]}." if leftovers else ""
+        raise CheckpointError(f"zero3: there is no checkpoint at {path}.{hint}")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"zero3: {path} is an incomplete checkpoint: it has no {MANIFEST}, which is written last, so the save "
+            "was interrupted (or the directory is not a zero3 checkpoint). Load an earlier checkpoint."
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (ValueError, OSError) as error:
+        raise CheckpointError(f"zero3: the manifest {manifest_path} is unreadable ({error}).") from error
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"zero3: {path} is not a zero3 sharded checkpoint of version {VERSION} "
+            f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})."
+        )
+    for name, size in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"zero3: checkpoint {path} is missing its file {name}; it was damaged after saving.")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"zero3: checkpoint file {file} has {actual} bytes but was written with {size}: it is truncated "
+                "or was replaced. Load an earlier checkpoint."
+            )
+    return manifest
+
+
+def remove_checkpoint(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

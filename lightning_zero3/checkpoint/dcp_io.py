@@ -1,0 +1,192 @@
+"""``torch.distributed.checkpoint`` (DCP) with zero3's flat pieces, and a reader that never unpickles code.
+
+[Note: flat pieces in DCP]
+zero3 shards a unit's parameters as one flat buffer cut into N equal slices, so a rank owns an arbitrary
+*element range* of each parameter, not a block of rows. DCP speaks in chunks (offsets and sizes per
+dimension) of a tensor of known global size; an element range is exactly a chunk of the parameter
+*flattened* to 1-D. A ``FlatPiece`` is that chunk: this rank's elements ``[start, start + n)`` of a 1-D
+tensor of ``global_numel`` elements. DCP writes each rank's pieces to that rank's own file and records
+every chunk in its metadata; on load, each rank asks for the range *it* owns now and DCP reads the
+overlapping parts of whichever saved chunks cover it, which is what makes resharding from N to M ranks
+work without any rank ever holding a whole parameter. The planners below only teach DCP to find the
+tensor inside a ``FlatPiece``; everything else is DCP's default behaviour.
+
+[Note: weights-only loading]
+DCP's file reader unpickles its ``.metadata`` file with plain ``pickle``, which can run arbitrary code.
+``SafeFileSystemReader`` reads it with an unpickler that only admits DCP's own metadata classes, torch
+sizes and dtypes. Tensor data DCP already loads with ``torch.load(weights_only=True)``, and zero3 puts
+no pickled Python objects into DCP at all (the rest of Lightning's state goes to a separate file read
+with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+
+@dataclass
+class FlatPiece:
+    """This rank's elements ``[start, start + tensor.numel())`` of a flattened tensor of ``global_numel``
+    elements. ``tensor`` is 1-D: what is written on save, what is filled in place on load."""
+
+    tensor: torch.Tensor
+    start: int
+    global_numel: int
+    shape: tuple = ()  # the tensor's own shape before flattening (for the manifest); () means 1-D
+
+    def __post_init__(self) -> None:
+        if not self.shape:
+            self.shape = (self.global_numel,)
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=torch.Size([self.tensor.numel()]))
+
+    # the two hooks DCP's default planners look for on a state-dict value (its "checkpointable" protocol)
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        chunk = self._chunk()
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self.tensor),
+                    size=torch.Size([self.global_numel]),
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()]
+
+
+def _resolve(state_dict: dict[str, Any], index: MetadataIndex) -> Optional[torch.Tensor]:
+    value = state_dict.get(index.fqn)
+    return value.tensor if isinstance(value, FlatPiece) else None
+
+
+class _PieceSavePlanner(dcp.DefaultSavePlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        tensor = _resolve(self.state_dict, index)
+        return tensor if tensor is not None else super().lookup_object(index)
+
+
+class _PieceLoadPlanner(dcp.DefaultLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
+        # The default set-up first rewrites values it does not know (a FlatPiece would become None); the
+        # state dict here is flat and already holds real tensors, so there is nothing to set up.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        tensor = _resolve(self.state_dict, index)
+        return tensor if tensor is not None else super().lookup_tensor(index)
+
+
+# -- reading metadata without running code --------------------------------------------------------
+
+_DCP_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch._utils", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's metadata asks to build an object that weights-only loading does not allow."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"zero3: the checkpoint metadata asks for {module}.{name}, which weights-only loading refuses "
+            "(it could run code). The file was not written by zero3 or was tampered with."
+        )
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    with open(path / ".metadata", "rb") as stream:
+        return _MetadataUnpickler(stream).load()
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader, with the metadata read by the restricted unpickler (see [Note: weights-only loading])."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        if rank is not None:
+            raise NotImplementedError("zero3 checkpoints have one metadata file")
+        metadata = read_dcp_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# -- save / load ----------------------------------------------------------------------------------
+
+
+def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def save_pieces(state: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Each rank of ``group`` writes its ``FlatPiece``s (and, once, any plain tensor) into ``path``."""
+    writer = dcp.FileSystemWriter(path, sync_files=True, single_file_per_rank=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # one process: no group
+        dcp.save(state, storage_writer=writer, planner=_PieceSavePlanner(), process_group=group,
+                 no_dist=not _distributed(group))  # fmt: skip
+
+
+def load_pieces(
+    state: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None, collective: bool = True
+) -> None:
+    """Fill every ``FlatPiece`` / tensor of ``state`` in place from the checkpoint at ``path``.
+
+    ``collective=False`` reads in this process alone (consolidation); otherwise every rank of ``group`` calls it."""
+    reader = SafeFileSystemReader(path)
+    no_dist = not (collective and _distributed(group))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.load(state, storage_reader=reader, planner=_PieceLoadPlanner(), process_group=group, no_dist=no_dist)

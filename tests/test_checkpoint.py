@@ -1,0 +1,246 @@
+"""Sharded checkpoints driven by plain torch on CPU ranks: resharding N -> M with parity, damage, consolidation."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+from gpt import GPT, GPTConfig, random_tokens
+from torch import nn
+
+from lightning_zero3 import Zero3Config, Zero3Engine
+from lightning_zero3.checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    UnsafeCheckpointError,
+    load_sharded_checkpoint,
+    model_pieces,
+    optimizer_pieces,
+    save_sharded_checkpoint,
+)
+from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+GLOBAL_BATCH = 4  # samples per step, split evenly over 1, 2 or 4 ranks
+CONFIG = Zero3Config(persistence_threshold=500)  # shards the blocks' weights, keeps LayerNorms whole
+
+
+def _global_batch(step: int):
+    data = random_tokens(64, CFG.block_size, CFG.vocab_size, seed=5)
+    return data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+
+
+def _local_batch(rank: int, world: int, step: int):
+    x, y = _global_batch(step)
+    per = GLOBAL_BATCH // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _sharded(seed: int, cfg: GPTConfig = CFG):
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    engine = Zero3Engine(model, CONFIG)
+    optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    return model, engine, optimizer
+
+
+def _train(model, optimizer, rank: int, world: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = _loss(model, *_local_batch(rank, world, step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _save_case(rank: int, world: int, path: str) -> dict:
+    model, engine, optimizer = _sharded(seed=0)
+    _train(model, optimizer, rank, world, range(3))
+    save_sharded_checkpoint(Path(path), engine, model_pieces(engine), [optimizer_pieces(engine, optimizer)], {"step": 3})
+    return {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer)}
+
+
+def _load_case(rank: int, world: int, path: str) -> dict:
+    model, engine, optimizer = _sharded(seed=1)  # other initial weights: everything must come from the file
+    extra = load_sharded_checkpoint(Path(path), engine, [optimizer])
+    loaded = {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer)}
+    losses = []
+    for step in range(3, 6):
+        losses.append(float(torch.tensor(_train(model, optimizer, rank, world, range(step, step + 1))[0])))
+    return {"extra": extra, "loaded": loaded, "losses": losses, "weights": engine.full_state_dict()}
+
+
+def _reference(saved: dict) -> tuple[list[float], dict]:
+    """The same three steps on one process, on the whole global batch, from the saved full state."""
+    torch.manual_seed(2)
+    model = GPT(CFG)
+    model.load_state_dict(saved["weights"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
+    losses = _train(model, optimizer, 0, 1, range(3, 6))
+    return losses, model.state_dict()
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["weights"].keys() == b["weights"].keys()
+    for name in a["weights"]:
+        assert torch.equal(a["weights"][name], b["weights"][name]), name
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for index in sa:
+        for key in sa[index]:
+            assert torch.equal(torch.as_tensor(sa[index][key]), torch.as_tensor(sb[index][key])), (index, key)
+
+
+@pytest.fixture(scope="module")
+def saved_on(tmp_path_factory):
+    """A checkpoint written by 2 ranks and one by 4 (three steps each), with the state they held."""
+    made = {}
+
+    def get(world: int) -> tuple[str, dict]:
+        if world not in made:
+            path = str(tmp_path_factory.mktemp(f"saved{world}") / "good")
+            made[world] = (path, run_ranks(_save_case, world, path)[0])
+        return made[world]
+
+    return get
+
+
+@pytest.mark.parametrize("saved_world, loaded_on", [(2, 1), (2, 4), (4, 2)])
+def test_checkpoint_reshards_and_training_continues_at_parity(saved_on, saved_world, loaded_on):
+    path, saved = saved_on(saved_world)
+    files = sorted(p.name for p in Path(path).iterdir())
+    assert [f for f in files if f.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(saved_world)]
+    reference_losses, reference_weights = _reference(saved)
+    results = run_ranks(_load_case, loaded_on, path)
+    global_losses = torch.tensor([r["losses"] for r in results]).mean(0).tolist()  # equal local batches
+    for ours, theirs in zip(global_losses, reference_losses):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs)
+    for result in results:
+        assert result["extra"] == {"step": 3}
+        _assert_same_state(result["loaded"], saved)  # bitwise: weights and optimizer state intact
+        for name, value in reference_weights.items():
+            assert torch.allclose(result["weights"][name], value, rtol=0, atol=5e-5), (
+                name, float((result["weights"][name] - value).abs().max()))
+
+
+# -- damage ---------------------------------------------------------------------------------------
+
+
+def _load_error_case(rank: int, world: int, path: str, cfg: GPTConfig) -> str:
+    model, engine, optimizer = _sharded(seed=1, cfg=cfg)
+    try:
+        load_sharded_checkpoint(Path(path), engine, [optimizer])
+    except (CheckpointError, CheckpointMismatchError, UnsafeCheckpointError) as error:
+        return str(error)
+    return "loaded"
+
+
+def test_truncated_mismatched_and_tampered_checkpoints_fail_naming_the_problem(tmp_path, saved_on):
+    good = Path(saved_on(2)[0])
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    shard = truncated / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    message = run_ranks(_load_error_case, 1, str(truncated), CFG)[0]
+    assert "__1_0.distcp" in message and "truncated" in message
+
+    wider = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=48)
+    message = run_ranks(_load_error_case, 1, str(good), wider)[0]
+    assert "does not fit this model" in message and "shape differs" in message and "wte.weight" in message
+
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(good, incomplete)
+    (incomplete / "zero3.json").unlink()
+    assert "incomplete" in run_ranks(_load_error_case, 1, str(incomplete), CFG)[0]
+
+    tampered = tmp_path / "tampered"  # metadata that would run a command when unpickled, sizes made to fit
+    shutil.copytree(good, tampered)
+    (tampered / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    manifest = json.loads((tampered / "zero3.json").read_text())
+    manifest["files"][".metadata"] = (tampered / ".metadata").stat().st_size
+    (tampered / "zero3.json").write_text(json.dumps(manifest))
+    message = run_ranks(_load_error_case, 1, str(tampered), CFG)[0]
+    assert "refuses" in message and "posix.system" in message
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo this must never run",))
+
+
+_KILL_SCRIPT = """
+import os, signal, sys
+sys.path[:0] = {paths!r}
+from pathlib import Path
+import lightning_zero3.checkpoint.api as api
+import test_checkpoint as t
+from distributed import run_ranks
+real = api.save_pieces
+def save_then_die(*args):
+    real(*args)
+    os.kill(os.getpid(), signal.SIGKILL)  # every rank dies after writing its pieces, before the manifest
+api.save_pieces = save_then_die
+t._save_case(0, 1, {path!r})
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_valid(tmp_path, saved_on):
+    path = tmp_path / "good"
+    shutil.copytree(saved_on(2)[0], path)  # a good checkpoint of this name (saved on 2 ranks)
+    before = run_ranks(_load_case, 1, str(path))[0]["loaded"]
+    here = Path(__file__).resolve().parent
+    paths = [str(here), str(here.parent / "examples")]
+    script = _KILL_SCRIPT.format(paths=paths, path=str(path))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    partials = list(tmp_path.glob(".good.partial-*"))
+    assert len(partials) == 1 and any(partials[0].glob("*.distcp"))  # the interrupted save is recognisable
+    assert "incomplete" in run_ranks(_load_error_case, 1, str(partials[0]), CFG)[0]
+    after = run_ranks(_load_case, 1, str(path))[0]["loaded"]
+    _assert_same_state(after, before)  # the previous checkpoint is untouched
+    run_ranks(_save_case, 1, str(path))  # the next save of the name clears the leftover
+    assert not list(tmp_path.glob(".good.partial-*"))
+
+
+# -- consolidation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_consolidated_file_loads_into_a_plain_model(tmp_path, saved_on, fmt):
+    path, state = saved_on(2)
+    saved = state["weights"]
+    out = tmp_path / f"model.{fmt}"
+    consolidate_checkpoint(path, out)
+    if fmt == "pt":
+        weights = torch.load(out, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        weights = load_file(out)
+    plain = GPT(CFG)
+    plain.load_state_dict(weights)  # strict: every name of the model, tied names included
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    if fmt == "pt":  # a tied weight is stored once, under both names, as torch.save would
+        assert weights["head.weight"].data_ptr() == weights["wte.weight"].data_ptr()
