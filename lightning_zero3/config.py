@@ -102,6 +102,13 @@ class Zero3Config:
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
     """How long a collective may wait for the other ranks before every rank fails with an error."""
 
+    checkpoint_format: str = "sharded"
+    """What ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write. ``"sharded"``: a directory in which each
+    rank writes its own shards with ``torch.distributed.checkpoint`` (nothing is gathered; loads on any
+    number of ranks; ``lightning_zero3.checkpoint.consolidate`` makes one file of it). ``"full"``: one
+    ``torch.save`` file of full weights and unsharded optimizer state, gathered on every rank (loadable
+    by DDP as it is; needs the full model in memory). Loading takes either, whatever this setting."""
+
     offload_optimizer: Optional[str] = None
     """Where the fp32 master shards and the optimizer state live: ``None`` (the training device),
     ``"cpu"`` (host memory; the optimizer steps on the host) or ``"nvme"`` (files under ``nvme_path``,
@@ -157,6 +164,11 @@ class Zero3Config:
                 f"backend; use one of {[b for b in _BACKENDS if b]} or None to choose by device."
             )
         _check_offload(self)
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise Zero3ConfigError(
+                f"zero3: `checkpoint_format={self.checkpoint_format!r}` is not a checkpoint format; use "
+                '"sharded" (each rank writes its shards) or "full" (one file of full state).'
+            )
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise Zero3ConfigError(
                 f"zero3: `timeout` must be a positive datetime.timedelta, got {self.timeout!r}; "
@@ -210,6 +222,7 @@ def _check_unit_modules(value: Any) -> None:
 
 
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
+CHECKPOINT_FORMATS = ("sharded", "full")
 
 
 def _check_offload(config: "Zero3Config") -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Generator, Mapping, Optional, Union
 
 import torch
@@ -39,6 +40,16 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 
+from .checkpoint import (
+    CheckpointMismatchError,
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    model_pieces,
+    optimizer_pieces,
+    remove_checkpoint,
+    save_sharded_checkpoint,
+)
+from .checkpoint.files import load_file_checkpoint, save_file_atomically
 from .config import Zero3Config
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
@@ -246,19 +257,82 @@ class Zero3Strategy(ParallelStrategy):
         return holder[0]
 
     # -- checkpoints ------------------------------------------------------------------------------
+    # Sharded (default): each rank's pieces go straight to a checkpoint directory (``checkpoint/``);
+    # full: one file of gathered state. Either loads after ``setup``, straight into the engine's shards.
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints load into the shards, which exist once the engine is built
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # ``load_checkpoint`` restores the optimizers itself
+
+    @property
+    def _sharded_checkpoints(self) -> bool:
+        return self._engine is not None and self.config.checkpoint_format == "sharded"
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights under the module's own names, in the master dtype (a collective)."""
+        """Sharded: this rank's ``FlatPiece`` of each parameter (no copy). Full: the gathered weights under
+        the module's own names, in the master dtype (a collective)."""
         module = self.lightning_module
         assert module is not None
-        return module.state_dict() if self._engine is None else self._engine.full_state_dict()
+        if self._engine is None:
+            return module.state_dict()
+        return model_pieces(self._engine) if self._sharded_checkpoints else self._engine.full_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state as an unsharded optimizer would hold it: world-size independent."""
+        """Sharded: this rank's part, keyed by parameter name. Full: the state an unsharded optimizer holds."""
         optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if self._engine is None:
             return optimizer.state_dict()
+        if self._sharded_checkpoints:
+            return optimizer_pieces(self._engine, optimizer)
         return self._engine.full_optimizer_state(optimizer)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "zero3: `save_checkpoint(..., storage_options=...)` is not supported: zero3 writes checkpoints "
+                "itself (sharded directories, or atomic single files), not through a CheckpointIO plugin."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        if self._sharded_checkpoints:
+            assert self._engine is not None
+            model_state = checkpoint.pop("state_dict")
+            optimizer_parts = checkpoint.pop("optimizer_states", [])
+            save_sharded_checkpoint(path, self._engine, model_state, optimizer_parts, checkpoint)
+        elif self.is_global_zero:
+            save_file_atomically(checkpoint, path)
+
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        if self.is_global_zero:
+            remove_checkpoint(Path(filepath))
+
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a sharded directory or a full file into the engine; return the rest for Lightning.
+
+        Loading is weights-only (no code in a checkpoint runs) unless ``weights_only=False`` is passed."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module, engine = self.lightning_module, self._engine
+        assert module is not None and engine is not None, "zero3 loads checkpoints after setup"
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
+        if is_sharded_checkpoint(path):
+            return load_sharded_checkpoint(path, engine, optimizers, module.strict_loading, weights_only)
+        checkpoint = load_file_checkpoint(path, weights_only)
+        engine.load_full_state_dict(checkpoint["state_dict"], strict=module.strict_loading)
+        if optimizers:
+            if "optimizer_states" not in checkpoint:
+                raise CheckpointMismatchError(
+                    f"zero3: {path} holds no optimizer state (was it saved with `save_weights_only=True`?), so "
+                    "training cannot resume from it; load its weights with `trainer.fit(model)` after "
+                    "`model.load_state_dict(...)`, or resume from a full checkpoint."
+                )
+            self.load_optimizer_state_dict(checkpoint)
+        return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
@@ -278,8 +352,7 @@ class Zero3Strategy(ParallelStrategy):
         assert module is not None
         if self._engine is None:
             module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        else:
-            self._engine.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        # with an engine, ``load_checkpoint`` has already put the weights into the shards
 
     # -- teardown ---------------------------------------------------------------------------------
 

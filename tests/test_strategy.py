@@ -136,11 +136,30 @@ def test_model_without_trainable_parameters_is_refused(tmp_path):
         assert "requires_grad" in r["error"]
 
 
-def test_checkpoint_resume_is_exact_and_loads_under_ddp(tmp_path):
+def test_checkpoint_resume_is_exact_and_a_full_checkpoint_loads_under_ddp(tmp_path):
     for r in run_flows("resume", tmp_path):
+        assert r["sharded_is_dir"] and r["full_is_file"]
         assert r["first"] == r["straight"][:3]
-        assert r["zero3"] == r["straight"][3:]  # bitwise: weights and Adam state restored exactly
-        assert r["ddp"] == r["straight"][3:]  # the checkpoint holds full, unsharded state
+        assert r["zero3"] == r["straight"][3:]  # bitwise from the sharded checkpoint: weights and Adam state
+        assert r["zero3_from_full"] == r["straight"][3:]  # and from the full one
+        assert r["ddp"] == r["straight"][3:]  # the full checkpoint holds unsharded state
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_model_checkpoint_writes_sharded_directories_and_resume_is_exact(tmp_path, devices):
+    script = Path(__file__).parent / "scripts" / "checkpoint_run.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--devices", str(devices), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    for rank in range(devices):
+        r = json.loads((tmp_path / f"checkpoint-rank{rank}.json").read_text())
+        assert len(r["straight"]) == 6 and r["resumed"] == r["straight"][3:]  # bitwise, scheduler included
+        shards = [f"__{i}_0.distcp" for i in range(devices)]
+        assert r["kept"] == {name: sorted([".metadata", *shards, "trainer_state.pt", "zero3.json"])
+                             for name in ("step=3.ckpt", "step=6.ckpt")}  # fmt: skip
+        assert r["latest"] == ["last.ckpt"]  # overwritten three times, nothing left beside it
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_all_ranks(tmp_path):

@@ -14,15 +14,14 @@ Both functions are collectives over the engine's ranks. Neither gathers a parame
 
 from __future__ import annotations
 
-import os
-import pickle
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from ..engine import Zero3Engine
-from .atomic import MANIFEST, TRAINER_STATE, CheckpointError, commit, partial_path, read_manifest, write_manifest
+from .atomic import MANIFEST, TRAINER_STATE, commit, partial_path, read_manifest, write_manifest
+from .files import torch_load_checked, write_torch_file
 from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
 from .sharded import (
     MODEL_PREFIX,
@@ -85,28 +84,14 @@ def save_sharded_checkpoint(
     comm.all_gather_objects(None)  # the directory exists for everyone
     save_pieces(state, partial, comm.group)
     if comm.rank == 0:
-        _save_file({**extra, "optimizer_states": merged}, partial / TRAINER_STATE)
+        write_torch_file({**extra, "optimizer_states": merged}, partial / TRAINER_STATE)
         write_manifest(partial, {"world_size": comm.world_size, "params": params, "buffers": buffers})
         commit(partial, path)
     comm.all_gather_objects(None)  # nobody returns before the checkpoint has its name
 
 
-def _save_file(obj: Any, file: Path) -> None:
-    with open(file, "wb") as out:
-        torch.save(obj, out)
-        out.flush()
-        os.fsync(out.fileno())
-
-
-def load_trainer_state(path: Path, weights_only: bool = True) -> dict[str, Any]:
-    try:
-        return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"zero3: {path / TRAINER_STATE} holds an object that weights-only loading refuses:\n{error}\n"
-            "If you trust this checkpoint, allow that class with torch.serialization.add_safe_globals([...]) "
-            "before loading."
-        ) from error
+def load_trainer_state(path: Path, weights_only: Optional[bool] = True) -> dict[str, Any]:
+    return torch_load_checked(path / TRAINER_STATE, weights_only)
 
 
 def load_sharded_checkpoint(
@@ -121,12 +106,17 @@ def load_sharded_checkpoint(
     The checkpoint may have been written by any number of ranks (see [Note: flat pieces in DCP])."""
     manifest = read_manifest(path)
     check_model_fits(engine, manifest["params"], manifest["buffers"], strict)
-    extra = load_trainer_state(path, weights_only is not False)
+    extra = load_trainer_state(path, weights_only)
     saved_names = manifest["params"].keys() | manifest["buffers"].keys()
     targets = model_targets(engine, saved_names)
     optimizer_states = []
     if optimizers:
-        saved = extra.get("optimizer_states", [])
+        if "optimizer_states" not in extra:
+            raise CheckpointMismatchError(
+                f"zero3: {path} holds no optimizer state (was it saved with `save_weights_only=True`?), so "
+                "training cannot resume from it; resume from a full training checkpoint instead."
+            )
+        saved = extra["optimizer_states"]
         if len(saved) != len(optimizers):
             raise CheckpointMismatchError(
                 f"zero3: the checkpoint holds {len(saved)} optimizer state(s) but {len(optimizers)} optimizer(s) "

@@ -13,6 +13,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import traceback
@@ -130,24 +131,39 @@ class LossLog(pl.Callback):
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
 
+class SaveBothFormats(pl.Callback):
+    """At the end of the epoch (inside fit, while the model is sharded) save it in both formats."""
+
+    def __init__(self, sharded: Path, full: Path) -> None:
+        self.sharded, self.full = sharded, full
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.sharded)  # the default: a directory of per-rank shards
+        config = trainer.strategy.config
+        trainer.strategy.config = dataclasses.replace(config, checkpoint_format="full")
+        trainer.save_checkpoint(self.full)  # one file of full state, which DDP reads as its own
+        trainer.strategy.config = config
+
+
 def resume(out: Path) -> dict:
     data = TensorDataset(*(t[:24] for t in indexed_data().tensors))
     loader = DataLoader(data, batch_size=4)  # 12 samples per rank: 3 steps per epoch
-    path = out / "three_steps.ckpt"
+    sharded, full = out / "three_steps.ckpt", out / "three_steps_full.ckpt"
     runs = {}
     for name, strategy, epochs, ckpt in (
         ("first", zero3(), 1, None),
-        ("zero3", zero3(), 2, path),
-        ("ddp", "ddp", 2, path),
+        ("zero3", zero3(), 2, sharded),
+        ("zero3_from_full", zero3(), 2, full),
+        ("ddp", "ddp", 2, full),
         ("straight", zero3(), 2, None),
     ):
         pl.seed_everything(0)
         log = LossLog()
-        t = trainer(strategy, max_epochs=epochs, callbacks=[log])
+        callbacks = [log, SaveBothFormats(sharded, full)] if name == "first" else [log]
+        t = trainer(strategy, max_epochs=epochs, callbacks=callbacks)
         t.fit(FlowsGPT(), loader, ckpt_path=ckpt)
-        if name == "first":
-            t.save_checkpoint(path)
         runs[name] = log.losses
+    runs["sharded_is_dir"], runs["full_is_file"] = sharded.is_dir(), full.is_file()
     return runs
 
 

@@ -1,0 +1,57 @@
+"""Single ``torch.save`` files: written atomically, read weights-only with errors that name the file."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .atomic import CheckpointError, remove_checkpoint
+
+
+def write_torch_file(obj: Any, file: Path) -> None:
+    """``torch.save`` into ``file`` and flush it to disk."""
+    with open(file, "wb") as out:
+        torch.save(obj, out)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def save_file_atomically(obj: Any, path: Path) -> None:
+    """Write ``obj`` to ``path`` so that ``path`` always holds either the old or the whole new checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
+    try:
+        write_torch_file(obj, staging)
+        if path.is_dir():
+            remove_checkpoint(path)  # a sharded checkpoint of the same name is replaced by the file
+        os.replace(staging, path)
+    finally:
+        if staging.exists():
+            staging.unlink()
+
+
+def torch_load_checked(file: Path, weights_only: Optional[bool] = True) -> Any:
+    """``torch.load`` (weights-only unless ``weights_only=False``), with errors that say what is wrong."""
+    if not file.is_file():
+        raise CheckpointError(f"zero3: there is no checkpoint file at {file}.")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only is not False)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"zero3: {file} holds an object that weights-only loading refuses:\n{error}\nIf you trust this "
+            "checkpoint, allow that class with torch.serialization.add_safe_globals([...]) before loading."
+        ) from error
+    except (RuntimeError, EOFError) as error:
+        raise CheckpointError(f"zero3: {file} is not a readable checkpoint (truncated or corrupt?): {error}") from error
+
+
+def load_file_checkpoint(path: Path, weights_only: Optional[bool] = True) -> dict[str, Any]:
+    checkpoint = torch_load_checked(path, weights_only)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"zero3: {path} is not a Lightning checkpoint (it has no 'state_dict').")
+    return checkpoint
