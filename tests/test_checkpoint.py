@@ -183,6 +183,22 @@ def test_truncated_mismatched_and_tampered_checkpoints_fail_naming_the_problem(t
     assert "refuses" in message and "posix.system" in message
 
 
+def _pickled_object_case(rank: int, world: int, path: str) -> str:
+    model, engine, optimizer = _sharded(seed=0)
+    extra = {"hyper_parameters": {"cfg": CFG}}  # a dataclass: weights-only loading refuses it
+    save_sharded_checkpoint(Path(path), engine, model_pieces(engine), [optimizer_pieces(engine, optimizer)], extra)
+    try:
+        load_sharded_checkpoint(Path(path), engine, [optimizer])
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_python_objects_in_the_trainer_state_are_refused_with_the_way_out(tmp_path):
+    message = run_ranks(_pickled_object_case, 1, str(tmp_path / "ckpt"))[0]
+    assert "weights-only" in message and "GPTConfig" in message and "add_safe_globals" in message
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("echo this must never run",))
@@ -244,3 +260,44 @@ def test_consolidated_file_loads_into_a_plain_model(tmp_path, saved_on, fmt):
         assert torch.equal(value, saved[name]), name
     if fmt == "pt":  # a tied weight is stored once, under both names, as torch.save would
         assert weights["head.weight"].data_ptr() == weights["wte.weight"].data_ptr()
+
+
+_MEASURE = """
+import json, sys
+from lightning_zero3.checkpoint.consolidate import main
+def hwm(): return int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024
+base = hwm()
+main(sys.argv[1:])
+print(json.dumps({"baseline": base, "peak": hwm()}))
+"""
+
+
+class _CommOnly:
+    def __init__(self) -> None:
+        from lightning_zero3.engine import Communicator
+
+        self.comm = Communicator()
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_consolidation_streams_tensor_by_tensor(tmp_path, fmt):
+    from lightning_zero3.checkpoint import FlatPiece
+
+    tensors = {f"layer{i}.weight": torch.full((512, 1024), float(i)) for i in range(48)}  # 96 MiB, 2 MiB each
+    state = {name: FlatPiece(t.reshape(-1), 0, t.numel(), tuple(t.shape)) for name, t in tensors.items()}
+    save_sharded_checkpoint(tmp_path / "ckpt", _CommOnly(), state, [], {})
+    out = tmp_path / f"model.{fmt}"
+    done = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "ckpt"), str(out)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"wrote {out}" in done.stdout
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    model_bytes = sum(t.numel() * 4 for t in tensors.values())
+    assert figures["peak"] - figures["baseline"] < model_bytes / 4  # about the largest tensor, not the model
+    if fmt == "pt":
+        loaded = torch.load(out, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        loaded = load_file(out)
+    assert list(loaded) == list(tensors) and all(torch.equal(loaded[k], v) for k, v in tensors.items())
