@@ -161,17 +161,17 @@ def test_truncated_mismatched_and_tampered_checkpoints_fail_naming_the_problem(t
     shutil.copytree(good, truncated)
     shard = truncated / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])
-    message = run_ranks(_load_error_case, 1, str(truncated), CFG)[0]
+    message = _load_error_case(0, 1, str(truncated), CFG)
     assert "__1_0.distcp" in message and "truncated" in message
 
     wider = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=48)
-    message = run_ranks(_load_error_case, 1, str(good), wider)[0]
+    message = _load_error_case(0, 1, str(good), wider)
     assert "does not fit this model" in message and "shape differs" in message and "wte.weight" in message
 
     incomplete = tmp_path / "incomplete"
     shutil.copytree(good, incomplete)
     (incomplete / "zero3.json").unlink()
-    assert "incomplete" in run_ranks(_load_error_case, 1, str(incomplete), CFG)[0]
+    assert "incomplete" in _load_error_case(0, 1, str(incomplete), CFG)
 
     tampered = tmp_path / "tampered"  # metadata that would run a command when unpickled, sizes made to fit
     shutil.copytree(good, tampered)
@@ -179,7 +179,7 @@ def test_truncated_mismatched_and_tampered_checkpoints_fail_naming_the_problem(t
     manifest = json.loads((tampered / "zero3.json").read_text())
     manifest["files"][".metadata"] = (tampered / ".metadata").stat().st_size
     (tampered / "zero3.json").write_text(json.dumps(manifest))
-    message = run_ranks(_load_error_case, 1, str(tampered), CFG)[0]
+    message = _load_error_case(0, 1, str(tampered), CFG)
     assert "refuses" in message and "posix.system" in message
 
 
@@ -195,7 +195,7 @@ def _pickled_object_case(rank: int, world: int, path: str) -> str:
 
 
 def test_python_objects_in_the_trainer_state_are_refused_with_the_way_out(tmp_path):
-    message = run_ranks(_pickled_object_case, 1, str(tmp_path / "ckpt"))[0]
+    message = _pickled_object_case(0, 1, str(tmp_path / "ckpt"))
     assert "weights-only" in message and "GPTConfig" in message and "add_safe_globals" in message
 
 
@@ -223,7 +223,7 @@ t._save_case(0, 1, {path!r})
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_valid(tmp_path, saved_on):
     path = tmp_path / "good"
     shutil.copytree(saved_on(2)[0], path)  # a good checkpoint of this name (saved on 2 ranks)
-    before = run_ranks(_load_case, 1, str(path))[0]["loaded"]
+    before = _load_case(0, 1, str(path))["loaded"]  # one rank: in this process
     here = Path(__file__).resolve().parent
     paths = [str(here), str(here.parent / "examples")]
     script = _KILL_SCRIPT.format(paths=paths, path=str(path))
@@ -232,10 +232,10 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_valid(tmp_path, sav
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     partials = list(tmp_path.glob(".good.partial-*"))
     assert len(partials) == 1 and any(partials[0].glob("*.distcp"))  # the interrupted save is recognisable
-    assert "incomplete" in run_ranks(_load_error_case, 1, str(partials[0]), CFG)[0]
-    after = run_ranks(_load_case, 1, str(path))[0]["loaded"]
+    assert "incomplete" in _load_error_case(0, 1, str(partials[0]), CFG)
+    after = _load_case(0, 1, str(path))["loaded"]
     _assert_same_state(after, before)  # the previous checkpoint is untouched
-    run_ranks(_save_case, 1, str(path))  # the next save of the name clears the leftover
+    _save_case(0, 1, str(path))  # the next save of the name clears the leftover
     assert not list(tmp_path.glob(".good.partial-*"))
 
 
