@@ -156,6 +156,7 @@ def test_model_checkpoint_writes_sharded_directories_and_resume_is_exact(tmp_pat
     for rank in range(devices):
         r = json.loads((tmp_path / f"checkpoint-rank{rank}.json").read_text())
         assert len(r["straight"]) == 6 and r["resumed"] == r["straight"][3:]  # bitwise, scheduler included
+        assert r["val_from_checkpoint"] == r["val_trained"]  # validate(ckpt_path=...) loads the weights only
         shards = [f"__{i}_0.distcp" for i in range(devices)]
         assert r["kept"] == {name: sorted([".metadata", *shards, "trainer_state.pt", "zero3.json"])
                              for name in ("step=3.ckpt", "step=6.ckpt")}  # fmt: skip

@@ -3,6 +3,7 @@
   straight  2 epochs of 3 steps; ModelCheckpoint writes step=3 and step=6 at the epochs' ends (kept),
             and last.ckpt every 2 steps (overwritten in place); an LR scheduler steps every batch.
   resumed   fit(ckpt_path=<step=3>) for the second epoch.
+  validate  validate(ckpt_path=<step=6>) with a fresh model, against the trained model.
 Each rank writes ``OUT/checkpoint-rank<R>.json`` with the losses and what the checkpoint folders hold.
 """
 
@@ -60,6 +61,11 @@ def run(devices: int, out: Path) -> dict:
         )  # fmt: skip
         trainer.fit(model, loader, ckpt_path=ckpt)
         runs[name] = model.losses
+        if ckpt is None:  # the trained model (full weights after fit) against a fresh one loaded from step=6
+            runs["val_trained"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+            fresh = ScheduledGPT()
+            runs["val_from_checkpoint"] = trainer.validate(fresh, loader, ckpt_path=kept / "step=6.ckpt",
+                                                           verbose=False)[0]["val_loss"]  # fmt: skip
     runs["kept"] = {p.name: sorted(f.name for f in p.iterdir()) for p in sorted(kept.iterdir())}
     runs["latest"] = sorted(p.name for p in latest.iterdir())
     return runs
