@@ -66,6 +66,9 @@ class Zero3Engine:
             self._broadcast_buffers()
 
         self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
+        if self.config.tune_collectives:
+            # before any group exists: the tuning buffers are not stacked on top of the shards
+            self.comm.tune(_collective_sizes(self.plan, dtypes, self.comm.world_size), self.device)
         sync = self.config.sync_module_states
         self.root: Optional[UnitRuntime] = None  # the root unit, if it owns sharded parameters
         self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []  # every other unit, in module order
@@ -107,10 +110,6 @@ class Zero3Engine:
             module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm,
             cfg.reduce_bucket_size,
         )
-        if cfg.tune_collectives:
-            sizes = {(rt.group.full.numel(), dtype) for rt in self.runtimes
-                     for dtype in (rt.group.compute_dtype, rt.group.reduce_dtype)}  # fmt: skip
-            self.comm.tune(sizes, self.device)
         self.ledger.reset_peak()
         self.optimizers: list[torch.optim.Optimizer] = []
         self._step_handles: list = []
@@ -253,6 +252,18 @@ class Zero3Engine:
             for buffer in self.module.buffers():
                 if buffer.is_floating_point() or buffer.dtype in (torch.int64, torch.int32, torch.bool):
                     self.comm.broadcast(buffer, src=0)
+
+
+def _collective_sizes(plan, dtypes: DtypePolicy, world: int) -> set[tuple[int, torch.dtype]]:
+    """(full padded numel, dtype) of every all-gather and reduce-scatter the groups of ``plan`` will issue."""
+    sizes = set()
+    for params in [spec.params for spec in plan.units] + [plan.persistent]:
+        if params:
+            numel = sum(p.numel() for _, p in params)
+            dtype = params[0][1].dtype
+            for used in (dtypes.compute or dtype, dtypes.reduce or dtype):
+                sizes.add((-(-numel // world) * world, used))
+    return sizes
 
 
 @contextmanager

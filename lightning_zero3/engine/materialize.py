@@ -86,7 +86,12 @@ class Materializer:
                     data = views.get(id(p))
                     if data is None:
                         data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                    torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+                    # a fresh, empty parameter first, then ``.data``: the parameter keeps a version
+                    # counter of its own, as one built whole does, instead of sharing the flat buffer's
+                    # (which every later gather bumps, and autograd would take for an in-place change)
+                    empty = nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.device), p.requires_grad)
+                    torch.utils.swap_tensors(p, empty)
+                    p.data = data
             for name, b in module._buffers.items():
                 if b is not None and b.is_meta:
                     module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.device)

@@ -102,20 +102,27 @@ class FlatGroup:
         )
 
         with torch.no_grad():
+            # One buffer of the full (padded) size is alive per group while it is built; it becomes ``full``
+            # when the compute dtype is the master dtype, so building a unit costs one unit's bytes.
+            master = new_buffer(self.shard_numel * world, self.dtype, device)
             if materializer is not None and any(p.is_meta for _, p in named_params):
                 # built straight from the meta device: see [Note: sharded initialisation] in materialize.py
-                master = new_buffer(self.shard_numel * world, self.dtype, device)
                 materializer.fill(named_params, master[:total])
                 sync_from_rank0 = True  # rank 0 initialised it
             else:
-                master = torch.cat([p.detach().reshape(-1) for _, p in named_params])
-                master = torch.nn.functional.pad(master, (0, self.shard_numel * world - total))
+                offset = 0
+                for _, p in named_params:
+                    master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                    offset += p.numel()
             if sync_from_rank0:
                 comm.broadcast(master, src=0)
             start = rank * self.shard_numel
             self.shard.copy_(master[start : start + self.shard_numel])
-            self.full = new_buffer(master.numel(), self.compute_dtype, device)
-            self.full.copy_(master)
+            if self.compute_dtype == self.dtype:
+                self.full = master
+            else:
+                self.full = new_buffer(master.numel(), self.compute_dtype, device)
+                self.full.copy_(master)
             del master
 
         self.slots: list[ParamSlot] = []
