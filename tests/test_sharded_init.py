@@ -9,7 +9,7 @@ import torch
 from benchmark_init import measure
 from distributed import run_ranks
 from gpt import GPT, GPTConfig
-from test_engine import _batch, _loss
+from test_engine import train_side_by_side
 from torch import nn
 
 from lightning_zero3 import Zero3Config, Zero3Engine
@@ -29,16 +29,7 @@ def _meta_case(rank: int, world: int) -> dict:
     reference.load_state_dict(start)
     ddp = nn.parallel.DistributedDataParallel(reference)
     opts = [torch.optim.AdamW(ddp.parameters()), engine.shard_optimizer(torch.optim.AdamW(model.parameters()))]
-    losses = []
-    for step in range(3):
-        pair = []
-        for net, optimizer in zip((ddp, model), opts):
-            loss = _loss(net, *_batch(rank, world, step, CFG))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            pair.append(float(loss))
-        losses.append(pair)
+    losses = train_side_by_side((ddp, model), opts, rank, world, cfg=CFG)
     return {
         "start": start,
         "losses": losses,
