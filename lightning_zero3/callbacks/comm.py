@@ -8,7 +8,8 @@ since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max
     ``busbw_GBps`` = algbw x (n-1)/n for all-gather and reduce-scatter, x 2(n-1)/n for all-reduce
     (nccl-tests' ``PERFORMANCE.md``; n = the engine's group size);
   - ``utilization``: busbw against the peak busbw measured for the same kind and message size on this
-    job's group after the first step (``Communicator.measure_peaks``), weighted by message:
+    job's group at start-up, right after the first step, when the sizes this job uses are known
+    (``Communicator.measure_peaks``; a size first seen later is measured then), weighted by message:
     sum(bytes_s / peak_algbw_s) / sum(seconds_s) over the sizes s.
 And ``zero3/comm/prefetch_hit_rate``: the share of unit starts whose parameters were already gathered
 or in flight.
@@ -68,6 +69,11 @@ class CommMonitor(Zero3Monitor):
     def start(self, trainer: "pl.Trainer") -> None:
         self._seen = self._snapshot()
 
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args) -> None:
+        if trainer.global_step >= 1 and not self.engine.comm.peak_busbw:
+            self.engine.comm.measure_peaks(self.peak_repeats)  # start-up: every rank, after the first step
+        super().on_train_batch_end(trainer, pl_module, *args)
+
     def _snapshot(self) -> dict:
         comm, schedule = self.engine.comm, self.engine.schedule
         totals = {k: (s.count, s.bytes, s.seconds, s.exposed_seconds) for k, s in comm.stats.items()}
@@ -76,7 +82,7 @@ class CommMonitor(Zero3Monitor):
 
     def figures(self, trainer: "pl.Trainer") -> Figures:
         comm = self.engine.comm
-        # Message sizes this job uses are known once they ran; new ones are measured when first seen.
+        # Sizes first used after start-up (say, gathers coalesced once prefetch runs) are measured now.
         # A collective: every rank has run the same collectives, so every rank measures the same sizes.
         peaks = comm.measure_peaks(self.peak_repeats)
         now, before = self._snapshot(), self._seen
