@@ -84,12 +84,32 @@ class GPT(nn.Module):
 
 
 class GPTModule(pl.LightningModule):
-    def __init__(self, cfg: GPTConfig | None = None, lr: float = 1e-3, weight_decay: float = 0.1) -> None:
+    """A byte- or token-level GPT language model.
+
+    Args:
+        cfg: The model's shape.
+        lr: AdamW's learning rate.
+        weight_decay: AdamW's weight decay, applied to matrices only.
+        sharded_init: Build the GPT in ``configure_model`` instead of ``__init__``: under zero3 it is then
+            created on the meta device and materialised unit by unit straight into shards.
+    """
+
+    def __init__(
+        self, cfg: GPTConfig | None = None, lr: float = 1e-3, weight_decay: float = 0.1, sharded_init: bool = False
+    ) -> None:
         super().__init__()
         self.cfg = cfg or GPTConfig()
         self.lr = lr
         self.weight_decay = weight_decay
-        self.model = GPT(self.cfg)
+        self.model = None if sharded_init else GPT(self.cfg)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = GPT(self.cfg)
+
+    def init_weights(self, module: nn.Module) -> None:
+        """GPT's own init, for modules that zero3 materialises from the meta device."""
+        GPT._init(module)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -192,6 +192,14 @@ class Zero3Config:
         base = config if config is not None else cls()
         return dataclasses.replace(base, **kwargs)
 
+    @classmethod
+    def from_deepspeed(cls, source: Any, **overrides: Any) -> "Zero3Config":
+        """Translate a DeepSpeed config (dict or JSON path; full, or its ``zero_optimization`` block), knob
+        by knob; ``overrides`` win. Settings with no meaning here are named in a warning (``deepspeed_config.py``)."""
+        from .deepspeed_config import merge, translate
+
+        return cls.from_kwargs(**merge(translate(source), overrides))
+
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     # floats such as 1e5 are accepted when they are whole numbers, as DeepSpeed configs write them.

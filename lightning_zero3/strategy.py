@@ -8,11 +8,13 @@ holds. Everything ZeRO-3 itself does lives in ``engine/``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed
@@ -51,7 +53,9 @@ from .checkpoint import (
 )
 from .checkpoint.files import load_file_checkpoint, save_file_atomically
 from .config import Zero3Config
+from .knobs import DEFAULTS, build_config, knob_docstring
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine
+from .engine.materialize import move_real_tensors
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,21 @@ def cpu_threads_per_rank(ranks_on_node: int) -> int:
     """The cores this process may use, shared evenly by the ranks on this node."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, ranks_on_node))
+
+
+def _init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
+    """The LightningModule's ``init_weights(module)``, the custom init for meta-device modules."""
+    hook = getattr(module, "init_weights", None)
+    if hook is None:
+        return None
+    try:
+        inspect.signature(hook).bind(module)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"zero3: `{type(module).__name__}.init_weights` must take one argument, the module to initialise "
+            "(it is called for every module built on the meta device, after its reset_parameters())."
+        ) from None
+    return hook
 
 
 class _RootCall(nn.Module):
@@ -96,10 +115,37 @@ class Zero3Strategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         config: Optional[Zero3Config] = None,
-        **knobs: Any,
+        deepspeed_config: Optional[Union[str, dict]] = None,
+        *,
+        # [Note: one list of knobs] in knobs.py: one keyword per Zero3Config field, defaults from it
+        persistence_threshold: int = DEFAULTS.persistence_threshold,
+        unit_modules: Optional[Union[str, list[Union[type, str]], Callable[[nn.Module], bool]]] = DEFAULTS.unit_modules,
+        prefetch_bucket_size: int = DEFAULTS.prefetch_bucket_size,
+        max_live_parameters: int = DEFAULTS.max_live_parameters,
+        max_reuse_distance: int = DEFAULTS.max_reuse_distance,
+        reduce_bucket_size: int = DEFAULTS.reduce_bucket_size,
+        overlap_comm: bool = DEFAULTS.overlap_comm,
+        tune_collectives: bool = DEFAULTS.tune_collectives,
+        cpu_threads: Optional[int] = DEFAULTS.cpu_threads,
+        reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = DEFAULTS.reduce_dtype,
+        sync_module_states: bool = DEFAULTS.sync_module_states,
+        process_group_backend: Optional[Literal["gloo", "nccl", "mpi", "ucc", "xccl", "hccl"]] = (
+            DEFAULTS.process_group_backend
+        ),
+        timeout: timedelta = DEFAULTS.timeout,
+        checkpoint_format: Literal["sharded", "full"] = DEFAULTS.checkpoint_format,
+        offload_optimizer: Optional[Literal["cpu", "nvme", "none", "device"]] = DEFAULTS.offload_optimizer,
+        offload_params: Optional[Literal["cpu", "nvme", "none", "device"]] = DEFAULTS.offload_params,
+        nvme_path: Optional[str] = DEFAULTS.nvme_path,
+        offload_pin_memory: bool = DEFAULTS.offload_pin_memory,
+        offload_buffer_count: int = DEFAULTS.offload_buffer_count,
+        offload_buffer_size: int = DEFAULTS.offload_buffer_size,
+        **misspelled: Any,
     ) -> None:
+        knobs = {name: value for name, value in locals().items() if name in Zero3Config.field_names()}
+        knobs.update(misspelled)  # unknown names fail in Zero3Config.from_kwargs, listing the valid ones
         # validate first: a bad knob fails before any process or model is touched
-        self.config = Zero3Config.from_kwargs(config, **knobs)
+        self.config = build_config(config, deepspeed_config, knobs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -211,7 +257,7 @@ class Zero3Strategy(ParallelStrategy):
         precision.convert_module(module)
         self.model_to_device()
         dtypes = precision.dtype_policy(self.config.reduce_dtype)
-        engine = Zero3Engine(module, self.config, Communicator(), self.root_device, dtypes)
+        engine = Zero3Engine(module, self.config, Communicator(), self.root_device, dtypes, _init_hook(module))
         self._engine = engine
         self.model = _RootCall(module)
         precision.engine = engine
@@ -224,7 +270,29 @@ class Zero3Strategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
-        self.lightning_module.to(self.root_device)
+        # meta-device parameters stay where they are: the engine builds them as shards
+        move_real_tensors(self.lightning_module, self.root_device)
+
+    # -- sharded initialisation ([Note: sharded initialisation] in engine/materialize.py) ------------
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)`` builds the model on the meta device; the engine then
+        materialises it unit by unit, straight into shards."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Modules built in ``configure_model`` go on the meta device; the engine materialises them unit by
+        unit into shards, so no rank holds the full model. Their initial values come from each module's
+        ``reset_parameters()`` and then the LightningModule's ``init_weights(module)``, if it has one."""
+        with torch.device("meta"):
+            yield
 
     @contextmanager
     def block_backward_sync(self) -> Generator:
@@ -387,3 +455,18 @@ class Zero3Strategy(ParallelStrategy):
             cls,
             description="ZeRO stage 3: parameters, gradients and optimizer states sharded across ranks",
         )
+
+
+Zero3Strategy.__init__.__doc__ = knob_docstring(
+    """Set up ZeRO stage 3; every setting is validated here, before any process starts.""",
+    {
+        "accelerator": "Set by the Trainer from its `accelerator` flag.",
+        "parallel_devices": "Set by the Trainer from its `devices` flag.",
+        "cluster_environment": "Set by the Trainer (local, torchrun, SLURM, ...).",
+        "checkpoint_io": "How checkpoint files are written; the Trainer's default when None.",
+        "precision_plugin": "Set by the Trainer from its `precision` flag.",
+        "config": "A Zero3Config to start from; keywords that differ from their default override it.",
+        "deepspeed_config": "A DeepSpeed config (dict or JSON file path; its `zero_optimization` block, or "
+        "the block itself) translated knob by knob; keywords that differ from their default override it.",
+    },
+)

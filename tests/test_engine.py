@@ -262,6 +262,21 @@ def test_ranks_running_different_units_fail_with_the_modules_named_not_a_hang():
         assert "'blocks.0', 'blocks.1'" in message
 
 
+def train_side_by_side(nets, optimizers, rank: int, world: int, steps: int = 3, cfg: GPTConfig = CFG) -> list:
+    """``steps`` steps of each net on the same batches; per step, the losses in the order of ``nets``."""
+    losses = []
+    for step in range(steps):
+        pair = []
+        for net, optimizer in zip(nets, optimizers):
+            loss = _loss(net, *_batch(rank, world, step, cfg))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append(float(loss))
+        losses.append(pair)
+    return losses
+
+
 def _prefetch_case(rank: int, world: int, overlap: bool) -> dict:
     torch.manual_seed(0)
     reference = GPT(CFG)
@@ -269,16 +284,7 @@ def _prefetch_case(rank: int, world: int, overlap: bool) -> dict:
     engine = Zero3Engine(model, Zero3Config(persistence_threshold=10_000, overlap_comm=overlap))
     ddp = nn.parallel.DistributedDataParallel(reference)
     opts = [torch.optim.AdamW(ddp.parameters()), engine.shard_optimizer(torch.optim.AdamW(model.parameters()))]
-    losses = []
-    for step in range(3):
-        pair = []
-        for net, optimizer in zip((ddp, model), opts):
-            loss = _loss(net, *_batch(rank, world, step))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            pair.append(float(loss))
-        losses.append(pair)
+    losses = train_side_by_side((ddp, model), opts, rank, world)
     stats = engine.comm.stats
     return {
         "losses": losses,

@@ -14,6 +14,18 @@ Backends differ per operation and message size (gloo's reduce-scatter, for one, 
 all-reduce of the same buffer). ``tune`` times each way of doing an all-gather and a reduce-scatter at
 the message sizes the engine will use, takes every rank's worst time (so all ranks pick the same way),
 and keeps the fastest per (kind, size).
+
+[Note: completion time]
+An async collective's time runs from issue to *completion*. Where the backend's work object offers a
+future (gloo's all-gathers and all-reduces do), a done-callback stamps the moment it completed on the
+backend's own thread, so a collective that finished long before the caller waited is not charged the
+compute in between. Otherwise (gloo's reduce-scatter, NCCL, whose futures complete on stream
+synchronisation) the time runs to the end of ``wait()``, an upper bound.
+
+[Note: peak bandwidth]
+``measure_peaks`` times each (kind, size) this job has used, synchronously on the quiet group, and
+keeps the slowest rank's median: the busbw a collective of that size reaches here at best. Monitors
+divide the bandwidth reached in training by it (utilization); it is measured, never assumed.
 """
 
 from __future__ import annotations
@@ -46,13 +58,24 @@ class CollectiveStats:
 class Pending:
     """An issued collective. ``wait()`` blocks until it completes (once), then runs its finisher."""
 
-    def __init__(self, work: Any, stats: CollectiveStats, nbytes: int, finish: Optional[Callable[[], None]]) -> None:
+    def __init__(
+        self, work: Any, stats: list[CollectiveStats], nbytes: int, finish: Optional[Callable[[], None]]
+    ) -> None:
         self._work = work
         self._stats = stats
         self._nbytes = nbytes
         self._finish = finish
         self._issued = time.perf_counter()
+        self._completed: Optional[float] = None  # stamped by the backend's thread, see [Note: completion time]
         self.done = False
+        if work is not None and finish is None:
+            try:
+                work.get_future().add_done_callback(self._stamp)
+            except RuntimeError:  # this backend / op has no future
+                pass
+
+    def _stamp(self, _future: Any) -> None:
+        self._completed = time.perf_counter()
 
     def wait(self) -> None:
         if self.done:
@@ -63,7 +86,9 @@ class Pending:
         if self._finish is not None:
             self._finish()
         end = time.perf_counter()
-        self._stats.add(self._nbytes, end - self._issued, end - start)
+        completed = min(self._completed, end) if self._completed is not None else end
+        for stats in self._stats:
+            stats.add(self._nbytes, completed - self._issued, end - start)
         self.done = True
 
 
@@ -76,6 +101,13 @@ class Communicator:
     """Collectives over one process group (the data-parallel group), with byte and time accounting."""
 
     KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+    #: nccl-tests' busbw / algbw factor per kind, for a group of n ranks (``PERFORMANCE.md``)
+    BUS_FACTOR = {
+        "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n,
+        "all_reduce": lambda n: 2 * (n - 1) / n,
+        "broadcast": lambda n: 1.0,
+    }
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
@@ -85,7 +117,21 @@ class Communicator:
         else:
             self.rank, self.world_size = 0, 1
         self.stats = {kind: CollectiveStats() for kind in self.KINDS}
+        self.by_size: dict[tuple[str, int], CollectiveStats] = {}  # (kind, bytes) -> totals at that size
+        self._dtypes: dict[tuple[str, int], torch.dtype] = {}  # the dtype each (kind, bytes) was seen in
         self.choice: dict[tuple[str, int], str] = {}  # (kind, bytes of the full buffer) -> way, by ``tune``
+        self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
+
+    def _sinks(self, kind: str, tensor: torch.Tensor) -> list[CollectiveStats]:
+        """Where one collective of ``kind`` over ``tensor`` (the full buffer) is counted."""
+        key = (kind, tensor.numel() * tensor.element_size())
+        if key not in self.by_size:
+            self.by_size[key] = CollectiveStats()
+            self._dtypes[key] = tensor.dtype
+        return [self.stats[kind], self.by_size[key]]
+
+    def bus_factor(self, kind: str) -> float:
+        return self.BUS_FACTOR[kind](self.world_size) if self.world_size > 1 else 1.0
 
     @property
     def distributed(self) -> bool:
@@ -98,20 +144,20 @@ class Communicator:
         nbytes = output.numel() * output.element_size()
         if not self.distributed:
             output.copy_(shard)
-            return self._finish(Pending(None, self.stats["all_gather"], nbytes, None), async_op)
+            return self._finish(Pending(None, self._sinks("all_gather", output), nbytes, None), async_op)
         way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0])
         if way == "all_gather_list":
             work = dist.all_gather(list(output.chunk(self.world_size)), shard, group=self.group, async_op=True)
         else:
             work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
-        return self._finish(Pending(work, self.stats["all_gather"], nbytes, None), async_op)
+        return self._finish(Pending(work, self._sinks("all_gather", output), nbytes, None), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Optional[Pending]:
         """Sum ``full`` over ranks and leave this rank's slice of the sum in ``output``."""
         nbytes = full.numel() * full.element_size()
         if not self.distributed:
             output.copy_(full)
-            return self._finish(Pending(None, self.stats["reduce_scatter"], nbytes, None), async_op)
+            return self._finish(Pending(None, self._sinks("reduce_scatter", full), nbytes, None), async_op)
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
         if way == "all_reduce_slice":
@@ -120,7 +166,7 @@ class Communicator:
             finish = lambda: output.copy_(full[start : start + output.numel()])  # noqa: E731
         else:
             work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._finish(Pending(work, self.stats["reduce_scatter"], nbytes, finish), async_op)
+        return self._finish(Pending(work, self._sinks("reduce_scatter", full), nbytes, finish), async_op)
 
     @staticmethod
     def _finish(pending: Pending, async_op: bool) -> Optional[Pending]:
@@ -136,7 +182,8 @@ class Communicator:
         if self.distributed:
             dist.all_reduce(tensor, op=op, group=self.group)
         elapsed = time.perf_counter() - start
-        self.stats["all_reduce"].add(tensor.numel() * tensor.element_size(), elapsed, elapsed)
+        for stats in self._sinks("all_reduce", tensor):
+            stats.add(tensor.numel() * tensor.element_size(), elapsed, elapsed)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -144,7 +191,8 @@ class Communicator:
         if self.distributed:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
         elapsed = time.perf_counter() - start
-        self.stats["broadcast"].add(tensor.numel() * tensor.element_size(), elapsed, elapsed)
+        for stats in self._sinks("broadcast", tensor):
+            stats.add(tensor.numel() * tensor.element_size(), elapsed, elapsed)
         return tensor
 
     def all_gather_objects(self, obj: Any) -> list:
@@ -188,17 +236,53 @@ class Communicator:
                 worst = torch.tensor(times, dtype=torch.float64, device=self.device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)  # every rank decides alike
                 self.choice[(kind, nbytes)] = ways[int(torch.argmin(worst))]
-        self.stats = {kind: CollectiveStats() for kind in self.KINDS}  # tuning traffic is not training traffic
+        self.reset_stats()  # tuning traffic is not training traffic
 
-    def _time(self, kind: str, full: torch.Tensor, shard: torch.Tensor, repeats: int) -> float:
-        samples = []
+    def reset_stats(self) -> None:
+        self.stats = {kind: CollectiveStats() for kind in self.KINDS}
+        self.by_size = {}
+        self._dtypes = {}
+
+    # -- [Note: peak bandwidth] ----------------------------------------------------------------------
+
+    def measure_peaks(self, repeats: int = 3) -> dict[tuple[str, int], float]:
+        """Peak busbw (bytes/s) of every (kind, size) used so far, measured now on this group (a collective:
+        every rank must call it at the same point, after running the same collectives)."""
+        saved = self.stats, self.by_size, self._dtypes
+        self.reset_stats()
+        for kind, nbytes in sorted(saved[1]):  # the same order on every rank
+            if (kind, nbytes) in self.peak_busbw:
+                continue
+            dtype = saved[2][(kind, nbytes)]
+            full = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=self.device)
+            shard = full[: full.numel() // self.world_size].clone()
+            best = self._time(kind, full, shard, repeats, recorded=True, pick=min)
+            seconds = torch.tensor([best], dtype=torch.float64, device=self.device)
+            if self.distributed:
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.group)
+            self.peak_busbw[(kind, nbytes)] = nbytes / max(float(seconds), 1e-9) * self.bus_factor(kind)
+        self.stats, self.by_size, self._dtypes = saved  # measuring traffic is not training traffic
+        return dict(self.peak_busbw)
+
+    def _time(
+        self, kind: str, full: torch.Tensor, shard: torch.Tensor, repeats: int, recorded: bool = False, pick=statistics.median
+    ) -> float:
+        """Seconds per call (``pick`` of ``repeats`` after a warm-up). ``recorded``: as the accounting times
+        a collective in training (see [Note: completion time]), not around the call."""
+        samples, key = [], (kind, full.numel() * full.element_size())
         for _ in range(repeats + 1):  # the first call warms up
+            before = self.by_size[key].seconds if key in self.by_size else 0.0
             start = time.perf_counter()
             if kind == "all_gather":
                 self.all_gather(full, shard)
-            else:
+            elif kind == "reduce_scatter":
                 self.reduce_scatter(shard, full)
+            elif kind == "all_reduce":
+                self.all_reduce(full)
+            else:
+                self.broadcast(full)
             if full.is_cuda:
                 torch.cuda.synchronize(full.device)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples[1:])
+            elapsed = time.perf_counter() - start
+            samples.append(self.by_size[key].seconds - before if recorded else elapsed)
+        return pick(samples[1:])

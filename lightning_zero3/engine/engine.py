@@ -22,6 +22,7 @@ from torch import nn
 from ..config import Zero3Config
 from .comm import Communicator
 from .hooks import HookManager, UnitRuntime
+from .materialize import InitFn, Materializer, has_meta_tensors
 from .schedule import Schedule
 from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
 from .optim import clip_grad_norm_, clip_grad_value_, optimizer_params, shard_optimizer
@@ -46,34 +47,52 @@ class Zero3Engine:
         comm: Optional[Communicator] = None,
         device: Optional[torch.device] = None,
         dtypes: DtypePolicy = DtypePolicy(),
+        init_fn: Optional[InitFn] = None,
     ) -> None:
+        """Shard ``module`` in place. Parameters on the meta device are materialised unit by unit, straight
+        into shards (see [Note: sharded initialisation] in materialize.py): each module's
+        ``reset_parameters()`` and then ``init_fn(module)`` initialise them on rank 0."""
         self.module = module
         self.config = config or Zero3Config()
         self.comm = comm or Communicator()
         self.ledger = ByteLedger()
         first = next(module.parameters(), None)
+        meta = has_meta_tensors(module)
+        if device is None and meta:
+            raise ValueError("zero3: the model is on the meta device; pass `device=` to build its shards on.")
         self.device = device or (first.device if first is not None else torch.device("cpu"))
-        if self.config.sync_module_states:
+        materializer = Materializer(module, self.device, init_fn, self.comm.rank == 0) if meta else None
+        if self.config.sync_module_states or meta:
             self._broadcast_buffers()
 
         self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
+        if self.config.tune_collectives:
+            # before any group exists: the tuning buffers are not stacked on top of the shards
+            self.comm.tune(_collective_sizes(self.plan, dtypes, self.comm.world_size), self.device)
         sync = self.config.sync_module_states
         self.root: Optional[UnitRuntime] = None  # the root unit, if it owns sharded parameters
         self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []  # every other unit, in module order
         for spec in self.plan.units:
             if spec.params:
                 name = spec.path or "<root>"
-                group = FlatGroup(name, spec.params, self.comm, self.ledger, self.device, False, sync, dtypes)
+                group = FlatGroup(
+                    name, spec.params, self.comm, self.ledger, self.device, False, sync, dtypes, materializer
+                )
+                runtime = UnitRuntime(name, group, self.comm)
+                runtime.maybe_release()  # before the next unit is built: one unit in full at a time
                 if spec is self.plan.root:
-                    self.root = UnitRuntime(name, group, self.comm)
+                    self.root = runtime
                 else:
-                    self.unit_runtimes.append((spec.module, UnitRuntime(name, group, self.comm)))
+                    self.unit_runtimes.append((spec.module, runtime))
         self.persistent: Optional[UnitRuntime] = None
         if self.plan.persistent:
             group = FlatGroup(
-                "<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync, dtypes
+                "<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync, dtypes,
+                materializer,
             )
             self.persistent = UnitRuntime(group.name, group, self.comm)
+        if materializer is not None:
+            materializer.check_done(module)
         units = [rt for _, rt in self.unit_runtimes]
         self.runtimes = [rt for rt in [self.root, *units, self.persistent] if rt is not None]
         self.slots: dict[int, ParamSlot] = {}  # by id of the user's parameter
@@ -91,12 +110,6 @@ class Zero3Engine:
             module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm,
             cfg.reduce_bucket_size,
         )
-        if cfg.tune_collectives:
-            sizes = {(rt.group.full.numel(), dtype) for rt in self.runtimes
-                     for dtype in (rt.group.compute_dtype, rt.group.reduce_dtype)}  # fmt: skip
-            self.comm.tune(sizes, self.device)
-        for runtime in self.runtimes:
-            runtime.maybe_release()
         self.ledger.reset_peak()
         self.optimizers: list[torch.optim.Optimizer] = []
         self._step_handles: list = []
@@ -239,6 +252,18 @@ class Zero3Engine:
             for buffer in self.module.buffers():
                 if buffer.is_floating_point() or buffer.dtype in (torch.int64, torch.int32, torch.bool):
                     self.comm.broadcast(buffer, src=0)
+
+
+def _collective_sizes(plan, dtypes: DtypePolicy, world: int) -> set[tuple[int, torch.dtype]]:
+    """(full padded numel, dtype) of every all-gather and reduce-scatter the groups of ``plan`` will issue."""
+    sizes = set()
+    for params in [spec.params for spec in plan.units] + [plan.persistent]:
+        if params:
+            numel = sum(p.numel() for _, p in params)
+            dtype = params[0][1].dtype
+            for used in (dtypes.compute or dtype, dtypes.reduce or dtype):
+                sizes.add((-(-numel // world) * world, used))
+    return sizes
 
 
 @contextmanager

@@ -49,6 +49,7 @@ class Schedule:
         self.reuse_distance: dict[int, int] = {}  # unit -> elements gathered between its forward and backward
         self.prefetched = 0  # gathers issued ahead of use
         self.prefetch_hits = 0  # units that were already gathered (or in flight) when they started
+        self.starts = 0  # units started (forward or backward): the hit rate's denominator
 
     def begin(self, phase: str) -> None:
         """A new forward (root starts) or backward (first unit's backward starts)."""
@@ -79,6 +80,7 @@ class Schedule:
 
     def on_start(self, phase: str, unit: "UnitRuntime") -> list["UnitRuntime"]:
         """Record or check ``unit`` starting ``phase``; returns the units to gather ahead."""
+        self.starts += 1
         if unit.group.gathered or unit.group.pending is not None:
             self.prefetch_hits += 1
         if self.recording:

@@ -16,7 +16,7 @@ The user's parameters become views into ``full`` (see [Note: freeing by storage 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from .memory import (
     restore_storage,
 )
 from .released import mark_gathered, mark_released
+
+if TYPE_CHECKING:
+    from .materialize import Materializer
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class FlatGroup:
         persistent: bool = False,
         sync_from_rank0: bool = True,
         dtypes: DtypePolicy = DtypePolicy(),
+        materializer: Optional["Materializer"] = None,
     ) -> None:
         if not named_params:
             raise ValueError(f"flat group {name!r} has no parameters")
@@ -98,14 +102,27 @@ class FlatGroup:
         )
 
         with torch.no_grad():
-            master = torch.cat([p.detach().reshape(-1) for _, p in named_params])
-            master = torch.nn.functional.pad(master, (0, self.shard_numel * world - total))
+            # One buffer of the full (padded) size is alive per group while it is built; it becomes ``full``
+            # when the compute dtype is the master dtype, so building a unit costs one unit's bytes.
+            master = new_buffer(self.shard_numel * world, self.dtype, device)
+            if materializer is not None and any(p.is_meta for _, p in named_params):
+                # built straight from the meta device: see [Note: sharded initialisation] in materialize.py
+                materializer.fill(named_params, master[:total])
+                sync_from_rank0 = True  # rank 0 initialised it
+            else:
+                offset = 0
+                for _, p in named_params:
+                    master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                    offset += p.numel()
             if sync_from_rank0:
                 comm.broadcast(master, src=0)
             start = rank * self.shard_numel
             self.shard.copy_(master[start : start + self.shard_numel])
-            self.full = new_buffer(master.numel(), self.compute_dtype, device)
-            self.full.copy_(master)
+            if self.compute_dtype == self.dtype:
+                self.full = master
+            else:
+                self.full = new_buffer(master.numel(), self.compute_dtype, device)
+                self.full.copy_(master)
             del master
 
         self.slots: list[ParamSlot] = []

@@ -1,0 +1,142 @@
+"""``CommMonitor``: what zero3's collectives moved, how fast, and how much of it compute waited for.
+
+Per collective kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``), over the steps
+since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max`` over the ranks):
+  - ``bytes``, ``count``, ``seconds`` (issue to completion, see [Note: completion time] in
+    ``engine/comm.py``), ``exposed_seconds`` (time compute sat waiting for it);
+  - ``algbw_GBps`` = bytes / seconds, with bytes the full (gathered or pre-scatter) buffer, and
+    ``busbw_GBps`` = algbw x (n-1)/n for all-gather and reduce-scatter, x 2(n-1)/n for all-reduce
+    (nccl-tests' ``PERFORMANCE.md``; n = the engine's group size);
+  - ``utilization``: busbw against the peak busbw measured for the same kind and message size on this
+    job's group at start-up, right after the first step, when the sizes this job uses are known
+    (``Communicator.measure_peaks``; a size first seen later is measured then), weighted by message:
+    sum(bytes_s / peak_algbw_s) / sum(seconds_s) over the sizes s.
+And ``zero3/comm/prefetch_hit_rate``: the share of unit starts whose parameters were already gathered
+or in flight.
+
+Advice when an all-gather or reduce-scatter runs below ``utilization_threshold`` (default 0.7) of peak.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import lightning.pytorch as pl
+
+from .monitor import Figures, Layout, Zero3Monitor, Zero3MonitorError
+
+NAN = float("nan")
+
+_HOW = {
+    "all_gather": (
+        "raise `prefetch_bucket_size` (gathers are issued earlier and overlap more compute) or "
+        "`reduce_bucket_size` (units below it share one all-gather: fewer, larger messages)"
+    ),
+    "reduce_scatter": (
+        "raise `reduce_bucket_size` (gradients of units below it are reduce-scattered together: fewer, "
+        "larger messages), and keep `overlap_comm=True`"
+    ),
+}
+
+
+class CommMonitor(Zero3Monitor):
+    """Log zero3's communication figures to the Trainer's loggers every ``every_n_steps`` steps.
+
+    Args:
+        every_n_steps: Optimizer steps between logs; ``None``: the Trainer's ``log_every_n_steps``.
+        utilization_threshold: Warn (once per collective kind) and write advice to TensorBoard when an
+            all-gather or reduce-scatter reaches less than this fraction of its measured peak busbw.
+        peak_repeats: Timed repetitions per message size when measuring the peak bandwidth.
+    """
+
+    section = "comm"
+
+    def __init__(
+        self, every_n_steps: Optional[int] = None, utilization_threshold: float = 0.7, peak_repeats: int = 3
+    ) -> None:
+        super().__init__(every_n_steps)
+        if not 0 < utilization_threshold <= 1:
+            raise Zero3MonitorError(
+                f"CommMonitor: `utilization_threshold` must be in (0, 1], got {utilization_threshold!r}."
+            )
+        if peak_repeats < 1:
+            raise Zero3MonitorError(f"CommMonitor: `peak_repeats` must be >= 1, got {peak_repeats!r}.")
+        self.utilization_threshold = utilization_threshold
+        self.peak_repeats = peak_repeats
+        self._seen: dict = {}
+
+    def start(self, trainer: "pl.Trainer") -> None:
+        self._seen = self._snapshot()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args) -> None:
+        if trainer.global_step >= 1 and not self.engine.comm.peak_busbw:
+            self.engine.comm.measure_peaks(self.peak_repeats)  # start-up: every rank, after the first step
+        super().on_train_batch_end(trainer, pl_module, *args)
+
+    def _snapshot(self) -> dict:
+        comm, schedule = self.engine.comm, self.engine.schedule
+        totals = {k: (s.count, s.bytes, s.seconds, s.exposed_seconds) for k, s in comm.stats.items()}
+        sizes = {key: (s.bytes, s.seconds) for key, s in comm.by_size.items()}
+        return {"kinds": totals, "sizes": sizes, "prefetch": (schedule.prefetch_hits, schedule.starts)}
+
+    def figures(self, trainer: "pl.Trainer") -> Figures:
+        comm = self.engine.comm
+        # Sizes first used after start-up (say, gathers coalesced once prefetch runs) are measured now.
+        # A collective: every rank has run the same collectives, so every rank measures the same sizes.
+        peaks = comm.measure_peaks(self.peak_repeats)
+        now, before = self._snapshot(), self._seen
+        self._seen = self._snapshot()  # measuring does not count, see Communicator.measure_peaks
+        figures: Figures = {}
+        for kind, (count, nbytes, seconds, exposed) in now["kinds"].items():
+            c0, b0, s0, e0 = before["kinds"].get(kind, (0, 0, 0.0, 0.0))
+            count, nbytes, seconds, exposed = count - c0, nbytes - b0, seconds - s0, exposed - e0
+            algbw = nbytes / seconds / 1e9 if count and seconds > 0 else NAN
+            figures[f"{kind}/bytes"] = float(nbytes)
+            figures[f"{kind}/count"] = float(count)
+            figures[f"{kind}/seconds"] = seconds
+            figures[f"{kind}/exposed_seconds"] = exposed
+            figures[f"{kind}/algbw_GBps"] = algbw
+            figures[f"{kind}/busbw_GBps"] = algbw * comm.bus_factor(kind)
+            figures[f"{kind}/utilization"] = self._utilization(kind, now["sizes"], before["sizes"], peaks)
+        hits, starts = (a - b for a, b in zip(now["prefetch"], before["prefetch"]))
+        figures["prefetch_hit_rate"] = hits / starts if starts else NAN
+        return figures
+
+    def _utilization(self, kind: str, now: dict, before: dict, peaks: dict) -> float:
+        ideal = actual = 0.0
+        for key, (nbytes, seconds) in now.items():
+            if key[0] != kind or key not in peaks:
+                continue
+            b0, s0 = before.get(key, (0, 0.0))
+            if nbytes - b0 <= 0:
+                continue
+            peak_algbw = peaks[key] / self.engine.comm.bus_factor(kind)
+            ideal += (nbytes - b0) / peak_algbw
+            actual += seconds - s0
+        return ideal / actual if actual > 0 else NAN
+
+    def advise(self, mean: Figures, maximum: Figures, trainer: "pl.Trainer") -> list[tuple[str, str]]:
+        advice = []
+        for kind, how in _HOW.items():
+            utilization = mean.get(f"{kind}/utilization", NAN)
+            if math.isfinite(utilization) and utilization < self.utilization_threshold:
+                advice.append((
+                    f"{kind}_utilization",
+                    f"{kind} ran at {utilization:.0%} of the peak bus bandwidth measured on this job's group for "
+                    f"its message sizes (threshold {self.utilization_threshold:.0%}), averaged over ranks: its "
+                    f"messages are waiting behind compute or each other, or are too small. To change: {how}.",
+                ))
+        return advice
+
+    def layout(self) -> Layout:
+        kinds = "(all_gather|reduce_scatter|all_reduce|broadcast)"
+        return {
+            "zero3 communication": {
+                "bus bandwidth GB/s (mean over ranks)": ["Multiline", [rf"zero3/comm/{kinds}/busbw_GBps/mean"]],
+                "utilization of measured peak": ["Multiline", [rf"zero3/comm/{kinds}/utilization/mean"]],
+                "exposed seconds (max over ranks)": ["Multiline", [rf"zero3/comm/{kinds}/exposed_seconds/max"]],
+                "bytes (mean over ranks)": ["Multiline", [rf"zero3/comm/{kinds}/bytes/mean"]],
+                "prefetch hit rate": ["Multiline", [r"zero3/comm/prefetch_hit_rate/mean"]],
+            }
+        }

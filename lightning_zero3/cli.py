@@ -1,0 +1,43 @@
+"""The ``lightning-zero3`` command: Lightning's own LightningCLI, with zero3 imported and registered.
+
+    lightning-zero3 fit --config examples/configs/gpt_zero3.yaml
+    lightning-zero3 fit --config examples/configs/gpt_zero3.yaml --print_config
+    python -m lightning_zero3.cli fit --trainer.strategy zero3 --model ... --data ...
+
+Importing the package registers ``strategy: zero3`` (and the offload names); ``class_path:
+lightning_zero3.Zero3Strategy`` with ``init_args`` works too, each setting typed and documented (see
+``knobs.py``), so a wrong name or value fails while the config is parsed, naming the field. Model and
+data module are given by ``class_path``, as with any LightningCLI in subclass mode.
+
+Class paths resolve from the working directory as well as from installed packages (as under
+``python -m``), so ``examples.gpt.GPTModule`` works from a checkout of this repository.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.cli import ArgsType, LightningCLI
+
+import lightning_zero3  # noqa: F401  (registers the strategy names)
+
+
+def main(args: ArgsType = None, run: bool = True) -> Optional[LightningCLI]:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return LightningCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
+if __name__ == "__main__":
+    main()
