@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 
-from .config import Zero3Config
+from .config import Zero3Config, default_nvme_path
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 
@@ -301,6 +301,7 @@ class Zero3Strategy(ParallelStrategy):
         # weights sharded. The base teardown would move the module to CPU, reading every (released)
         # weight and hiding the real error behind ours, so it runs with the module detached.
         engine.hooks.remove()
+        engine.release_offload()  # swap files go; no collective involved
         module, self._lightning_module = self._lightning_module, None
         try:
             super().teardown()
@@ -313,4 +314,19 @@ class Zero3Strategy(ParallelStrategy):
             cls.strategy_name,
             cls,
             description="ZeRO stage 3: parameters, gradients and optimizer states sharded across ranks",
+        )
+        strategy_registry.register(
+            "zero3_offload",
+            cls,
+            description="ZeRO stage 3 with optimizer state and parameter shards offloaded to host memory",
+            offload_optimizer="cpu",
+            offload_params="cpu",
+        )
+        strategy_registry.register(
+            "zero3_offload_nvme",
+            cls,
+            description="ZeRO stage 3 with optimizer state and parameter shards swapped to NVMe files",
+            offload_optimizer="nvme",
+            offload_params="nvme",
+            nvme_path=default_nvme_path(),
         )
