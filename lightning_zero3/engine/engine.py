@@ -72,10 +72,12 @@ class Zero3Engine:
                 group = FlatGroup(
                     name, spec.params, self.comm, self.ledger, self.device, False, sync, dtypes, self.offload
                 )
+                runtime = UnitRuntime(name, group, self.comm)
+                runtime.maybe_release()  # one unit's full copy at a time: peak memory stays one unit
                 if spec is self.plan.root:
-                    self.root = UnitRuntime(name, group, self.comm)
+                    self.root = runtime
                 else:
-                    self.unit_runtimes.append((spec.module, UnitRuntime(name, group, self.comm)))
+                    self.unit_runtimes.append((spec.module, runtime))
         self.persistent: Optional[UnitRuntime] = None
         if self.plan.persistent:
             group = FlatGroup(
@@ -110,7 +112,6 @@ class Zero3Engine:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._step_handles: list = []
         self._offloaded_steps: list[tuple[PipelinedStep, list[dict]]] = []
-        self._in_memory_depth = 0
 
     def _start_offload(self) -> Optional[Offload]:
         """The offload tiers, after checking (NVMe) that the swap folder has room for every shard."""
@@ -149,7 +150,7 @@ class Zero3Engine:
         assert offload is not None
         state_copies = {"Adam": 2, "AdamW": 2, "SGD": 1, "Adagrad": 1, "RMSprop": 2}.get(type(optimizer).__name__, 2)
         amsgrad = any(group.get("amsgrad") for group in optimizer.param_groups)
-        state_bytes = (state_copies + amsgrad) * sum(g.shard_numel * g.master.element_size() for g in groups)
+        state_bytes = (state_copies + amsgrad) * sum(g.shard_numel * g.shard.element_size() for g in groups)
         offload.check_room(state_bytes, f"the state of {type(optimizer).__name__}")
         for group in groups:
             group.store.optimizers.append(optimizer)
@@ -190,27 +191,27 @@ class Zero3Engine:
         """Every shard parameter and every optimizer's state as real, readable and writable tensors for the
         duration of the block; changes are written back to their tier on exit (and the gathered copies of
         the parameters refreshed from them). A no-op without offload. Not a collective."""
-        stores = [rt.group.store for rt in self.runtimes if rt.group.store is not None]
-        if not stores or self._in_memory_depth:
-            self._in_memory_depth += 1
-            try:
-                yield
-            finally:
-                self._in_memory_depth -= 1
-            return
-        self._in_memory_depth += 1
+        with self._groups_in_memory([rt.group for rt in self.runtimes]):
+            yield
+
+    @contextmanager
+    def _groups_in_memory(self, groups: list[FlatGroup], write_back: bool = True) -> Iterator[None]:
+        """``states_in_memory`` for some groups. ``write_back=False``: read-only use (only a gradient
+        loaded with them goes back, unchanged, since it was read from the file it returns to)."""
+        stores = [g.store for g in groups if g.store is not None and not (g.store.offload.nvme and g.store.resident)]
+        for store in stores:
+            store.start_load()
+        for store in stores:
+            store.attach()
         try:
-            for store in stores:
-                store.start_load()
-            for store in stores:
-                store.attach()
             yield
         finally:
-            self._in_memory_depth -= 1
             for store in stores:
-                store.publish()
-                store.store(write_grad=True)
-            self.offload.throttle(0)
+                if write_back:
+                    store.publish()
+                store.store(write_grad=store.grad is not None)
+            if stores and self.offload is not None:
+                self.offload.throttle(0)
 
     @property
     def shard_params(self) -> list[nn.Parameter]:
@@ -247,7 +248,7 @@ class Zero3Engine:
         try:
             yield
         finally:
-            with self.states_in_memory() if modifier_rank is not None else nullcontext():
+            with self._groups_in_memory([rt.group for rt in runtimes]) if modifier_rank is not None else nullcontext():
                 for runtime in runtimes:
                     if modifier_rank is not None:
                         runtime.group.write_back(src=modifier_rank)
@@ -261,7 +262,7 @@ class Zero3Engine:
         own = self.module.state_dict(keep_vars=True)  # keep_vars: no op touches the released parameters
         full: dict[int, torch.Tensor] = {}
         for runtime in self.runtimes:
-            with self._group_in_memory(runtime.group):
+            with self._groups_in_memory([runtime.group], write_back=False):
                 master = runtime.group.gather_master()
             for slot in runtime.group.slots:
                 full[id(slot.param)] = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
@@ -271,21 +272,6 @@ class Zero3Engine:
         """Load full (unsharded) weights: each rank keeps its slice, in the master dtype. Buffers are copied."""
         with self.states_in_memory():
             self._load_full_state_dict(state_dict, strict)
-
-    @contextmanager
-    def _group_in_memory(self, group: FlatGroup) -> Iterator[None]:
-        """One group's master in memory (read-only use: nothing is written back)."""
-        store = group.store
-        if store is None or store.resident:
-            yield
-            return
-        store.start_load()
-        store.attach()
-        try:
-            yield
-        finally:
-            store.store(write_grad=store.grad is not None)
-            self.offload.throttle(0)
 
     def _load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool) -> None:
         own = self.module.state_dict(keep_vars=True)
@@ -336,7 +322,7 @@ class Zero3Engine:
             restore_flags(step.optimizer.param_groups, flags)
         self._offloaded_steps = []
         for runtime in self.runtimes:
-            with self._group_in_memory(runtime.group):
+            with self._groups_in_memory([runtime.group], write_back=False):
                 runtime.group.unshard()
         for optimizer, state in zip(self.optimizers, full_states):
             for group in optimizer.param_groups:

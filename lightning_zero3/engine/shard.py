@@ -114,7 +114,6 @@ class FlatGroup:
             self.full.copy_(master)
             del master
         self.store = offload.new_store(self.shard, self.trainable) if offload is not None else None
-        self.master = self.shard if self.store is None else self.store.master  # what the optimizer steps
 
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -137,6 +136,11 @@ class FlatGroup:
         self.ledger.add(self._full_category, self._nbytes(self.full))
         if self.store is not None:
             self.store.bind(self)
+
+    @property
+    def master(self) -> Optional[torch.Tensor]:
+        """What the shard parameters view and the optimizer steps (None while swapped out to NVMe)."""
+        return self.shard if self.store is None else self.store.master
 
     # -- gather / release -------------------------------------------------------------------------
 

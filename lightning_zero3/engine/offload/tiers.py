@@ -135,6 +135,7 @@ class GroupStore:
                 self._file("grad", self.dtype)
             self._write("master", self.master)
             self._evict()
+            self.offload.throttle(self.offload.buffer_count)
 
     def _file(self, kind: str, dtype: torch.dtype):
         nbytes = self.numel * torch.empty((), dtype=dtype).element_size()
