@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--adam-params", type=int, default=50_000_000, help="elements stepped in the optimizer test")
     p.add_argument("--swap-params", type=int, default=48_000_000, help="parameters swapped in the NVMe test")
+    p.add_argument("--swap-width", type=int, default=2048,
+                   help="layer width of the NVMe test: units of width^2 parameters (2048: 16 MiB swap files)")
     p.add_argument("--nvme-path", default=tempfile.gettempdir())
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path, default=Path("benchmark_offload.json"))
@@ -63,8 +65,7 @@ class Layers(nn.Module):
         return h
 
 
-def layers_engine(params: int, knobs: dict) -> tuple[nn.Module, Zero3Engine, torch.optim.Optimizer]:
-    width = 1024
+def layers_engine(params: int, knobs: dict, width: int = 1024) -> tuple[nn.Module, Zero3Engine, torch.optim.Optimizer]:
     model = Layers(width, max(1, params // width**2))
     for p in model.parameters():
         nn.init.normal_(p, std=width**-0.5)
@@ -134,7 +135,7 @@ def disk_bandwidth(directory: Path, nbytes: int, piece: int) -> dict:
 
 def swap_bandwidth(args) -> dict:
     knobs = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": args.nvme_path}
-    _, engine, optimizer = layers_engine(args.swap_params, knobs)
+    _, engine, optimizer = layers_engine(args.swap_params, knobs, args.swap_width)
     optimizer.step()
     optimizer.zero_grad()  # the swap phases below move masters and Adam's moments: 12 bytes a parameter
     io, swap = engine.offload.io, engine.offload.swap
@@ -218,7 +219,8 @@ def main(args) -> dict:
     lines.insert(1, "-+-".join("-" * w for w in widths))
     print("\n".join(lines))
     print(f"\n{args.threads} threads, median of {args.runs} runs; optimizer test {o['elements'] / 1e6:.0f}M fp32 "
-          f"elements; swap test {args.swap_params / 1e6:.0f}M parameters under {args.nvme_path}")  # fmt: skip
+          f"elements; swap test {args.swap_params / 1e6:.0f}M parameters in units of {args.swap_width}^2 under "
+          f"{args.nvme_path}")  # fmt: skip
     args.json.write_text(json.dumps(figures, indent=2, default=str))
     return figures
 

@@ -3,7 +3,6 @@ Lightning resume, and capacity: NVMe offload trains a model whose states are 4x 
 
 from __future__ import annotations
 
-import copy
 import errno
 import hashlib
 import json
@@ -13,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F

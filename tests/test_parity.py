@@ -89,7 +89,8 @@ def test_offload_matches_zero3_and_ddp(runs, strategy, variant):
     if strategy == "zero3_offload":
         assert report["offload_host"] > 0 and report["offload_nvme"] == 0
     else:  # masters, gradients and Adam's moments on disk; only the step counters stay in memory
-        assert report["offload_nvme"] >= 4 * report["optimizer_state"] > 0 and report["offload_host"] == 0
+        assert report["offload_nvme"] >= 4 * report["optimizer_state"] > 0
+        assert report["offload_host"] < report["offload_nvme"]  # a few pooled staging buffers, no more
         assert offload["memory"]["swap_io"]["read"] > 0 and offload["memory"]["swap_io"]["written"] > 0
         assert not any((runs / "2" / "nvme").glob("lightning_zero3-*/*"))  # swap folders removed at the end
 

@@ -16,8 +16,7 @@ memory or in swap files (``offload/``); ``engine.states_in_memory()`` makes them
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional
 
 import torch

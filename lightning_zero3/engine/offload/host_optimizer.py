@@ -5,7 +5,7 @@ each tensor, near memory bandwidth) when the user left ``fused`` unset; other op
 
 [Note: pipelined step]
 ``PipelinedStep`` replaces ``optimizer.step`` on the instance. It runs the closure (forward and
-backward) first, as every torch optimizer does, then steps the optimizer *group by group*: for each
+backward) first, as every torch optimizer does, then steps the optimizer *group by group* (NVMe; in host memory one call steps every group): for each
 flat group it narrows every parameter group to that group's shard parameters, calls the original
 step, writes the group back to its tier and refreshes the gather source. Under the NVMe tier the reads
 of the next ``offload_buffer_count - 1`` groups are in flight while the current one steps, and its
@@ -78,6 +78,14 @@ class PipelinedStep:
                 loss = closure()
         stores = [s for s in self.stores if s.has_gradient()]
         offload = stores[0].offload if stores else None
+        if offload is not None and not offload.nvme:  # host memory: nothing to overlap, one call steps all
+            for store in stores:
+                store.attach()
+            self._step_only(stores, kwargs)
+            for store in stores:
+                store.publish()
+            self.after()
+            return loss
         ahead = max(1, self.buffer_count // 2)  # groups read ahead
         writing = max(0, self.buffer_count - ahead - 1)  # groups whose writes may still drain
         for store in stores[:ahead]:
@@ -87,7 +95,7 @@ class PipelinedStep:
             if i + ahead < len(stores):
                 offload.throttle(writing)
                 stores[i + ahead].start_load()
-            self._step_only(store, kwargs)
+            self._step_only([store], kwargs)
             store.publish()
             store.store()
         if offload is not None:
@@ -95,8 +103,8 @@ class PipelinedStep:
         self.after()
         return loss
 
-    def _step_only(self, store: GroupStore, kwargs: dict) -> None:
-        wanted = {id(slot.shard_param) for slot in store.group.slots}
+    def _step_only(self, stores: list[GroupStore], kwargs: dict) -> None:
+        wanted = {id(slot.shard_param) for store in stores for slot in store.group.slots}
         groups = self.optimizer.param_groups
         full = [group["params"] for group in groups]
         try:

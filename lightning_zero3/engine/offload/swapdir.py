@@ -118,6 +118,7 @@ class SwapDirectory:
         try:
             if nbytes:
                 os.posix_fallocate(fd, 0, nbytes)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # whole-file transfers: read ahead further
         except OSError as error:
             os.close(fd)
             path.unlink(missing_ok=True)

@@ -38,6 +38,8 @@ from .swapdir import SwapDirectory
 if TYPE_CHECKING:
     from ..shard import FlatGroup
 
+IO_THREADS = 4  # file requests in flight at once: the disk's queue depth
+
 
 class Offload:
     """What one engine's groups share under offload: tiers, copies, the swap folder and its I/O."""
@@ -50,9 +52,10 @@ class Offload:
         self.buffer_count = config.offload_buffer_count
         self.nvme = self.optimizer_tier == "nvme"
         self.swap = SwapDirectory(config.nvme_path, rank) if self.nvme else None
-        self.io = AsyncFileIO(config.offload_buffer_size * 4) if self.nvme else None
+        self.io = AsyncFileIO(config.offload_buffer_size * 4, threads=IO_THREADS) if self.nvme else None
         self.stores: list[GroupStore] = []
         self.writing: list[GroupStore] = []  # groups with writes in flight, oldest first
+        self.pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # free host buffers
 
     def new_store(self, shard: torch.Tensor, trainable: bool) -> "GroupStore":
         store = GroupStore(self, len(self.stores), shard, trainable)
@@ -71,18 +74,31 @@ class Offload:
             self.writing.pop(0).drain()
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer: a free one of this size from the pool, else a new one (see ``host_free``)."""
+        free = self.pool.get((numel, dtype))
+        if free:
+            return free.pop()
         tensor = self.copies.host_empty(numel, dtype)
         self.ledger.add(OFFLOAD_HOST, numel * tensor.element_size())
         return tensor
 
     def host_free(self, tensor: torch.Tensor) -> None:
-        self.ledger.remove(OFFLOAD_HOST, tensor.numel() * tensor.element_size())
+        """Give a buffer back once nothing reads or writes it any more. Up to ``2 * buffer_count`` stay in
+        a pool (and in the ledger): reusing them spares the page faults of fresh memory on every swap."""
+        if sum(map(len, self.pool.values())) < 2 * self.buffer_count:
+            self.pool.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
+        else:
+            self.ledger.remove(OFFLOAD_HOST, tensor.numel() * tensor.element_size())
 
     def close(self) -> None:
         for store in self.stores:
             store.drain()
         if self.io is not None:
             self.io.close()
+        for buffers in self.pool.values():
+            for buffer in buffers:
+                self.ledger.remove(OFFLOAD_HOST, buffer.numel() * buffer.element_size())
+        self.pool = {}
         if self.swap is not None:
             self.ledger.remove(OFFLOAD_NVME, self.ledger.held[OFFLOAD_NVME])
             self.swap.remove()
@@ -195,6 +211,7 @@ class GroupStore:
     def attach(self) -> None:
         """Wait for the reads and point shard parameters, gradients and state at the buffers."""
         self.wait_grads()
+        self.offload.copies.wait_on_host(self.publish_event)  # the last master -> device copy read it
         if not self.offload.nvme or self.resident:
             return
         self.start_load()
@@ -359,7 +376,6 @@ class GroupStore:
         copies = self.offload.copies
         if self.offload.param_tier is None:
             copies.wait_on_device(self.publish_event)
-            self.publish_event = None
             return shard
         restore_storage(shard)
         self.group.ledger.add(PARAM_SHARDS, self.nbytes)
@@ -370,7 +386,9 @@ class GroupStore:
         future, buffer = self.param_read
         self.param_read = None
         self.offload.io.wait(future)
-        copies.wait_on_device(copies.copy(shard, buffer))  # pinned buffers outlive their copies
+        event = copies.copy(shard, buffer)
+        copies.wait_on_device(event)
+        copies.wait_on_host(event)  # the buffer goes back to the pool: the copy must have read it
         self.offload.host_free(buffer)
         return shard
 
