@@ -108,7 +108,7 @@ def _save_load_worker(rank: int, world: int, port: int, args: argparse.Namespace
     from gpt import GPT, GPTConfig
 
     from lightning_zero3 import Zero3Config, Zero3Engine
-    from lightning_zero3.checkpoint import load_sharded_checkpoint, model_pieces, optimizer_pieces, save_sharded_checkpoint
+    from lightning_zero3.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
     _init(rank, world, port)
     torch.manual_seed(0)
@@ -123,7 +123,7 @@ def _save_load_worker(rank: int, world: int, port: int, args: argparse.Namespace
         path = Path(out) / f"ckpt{run}"
         dist.barrier()
         start = time.perf_counter()
-        save_sharded_checkpoint(path, engine, model_pieces(engine), [optimizer_pieces(engine, optimizer)], {})
+        save_sharded_checkpoint(path, engine, [optimizer], {})
         saved = time.perf_counter() - start
         if rank == 0:
             evict(files_under(path))
@@ -156,17 +156,9 @@ def big_shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _CommOnly:
-    """What ``save_sharded_checkpoint`` uses of an engine: its communicator."""
-
-    def __init__(self) -> None:
-        from lightning_zero3.engine import Communicator
-
-        self.comm = Communicator()
-
-
 def _generate_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    from lightning_zero3.checkpoint import FlatPiece, save_sharded_checkpoint
+    from lightning_zero3.checkpoint import FlatPiece, write_sharded_checkpoint
+    from lightning_zero3.engine import Communicator
 
     _init(rank, world, port)
     state = {}
@@ -178,7 +170,7 @@ def _generate_worker(rank: int, world: int, port: int, args: argparse.Namespace,
         start, stop = min(rank * per, numel), min((rank + 1) * per, numel)
         piece = torch.full((stop - start,), float(len(name) % 7 + rank), dtype=torch.float32)
         state[name] = FlatPiece(piece, start, numel, shape)
-    save_sharded_checkpoint(Path(out) / "big", _CommOnly(), state, [], {})
+    write_sharded_checkpoint(Path(out) / "big", Communicator(), state, [], {})
     dist.destroy_process_group()
 
 

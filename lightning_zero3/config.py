@@ -112,15 +112,21 @@ class Zero3Config:
     offload_optimizer: Optional[str] = None
     """Where the fp32 master shards and the optimizer state live: ``None`` (the training device),
     ``"cpu"`` (host memory; the optimizer steps on the host) or ``"nvme"`` (files under ``nvme_path``,
-    streamed through host buffers). DeepSpeed: ``offload_optimizer.device``."""
+    streamed through host buffers one group at a time; gradient shards wait there too between backward
+    and the step). DeepSpeed: ``offload_optimizer.device``."""
 
     offload_params: Optional[str] = None
     """Where parameter shards live between uses: ``None`` (the training device), ``"cpu"`` or ``"nvme"``.
+    Needs ``offload_optimizer`` at the same tier or deeper (the optimizer steps the shards where it keeps
+    them): ``"cpu"`` goes with ``offload_optimizer="cpu"`` or ``"nvme"``, ``"nvme"`` with ``"nvme"``.
     DeepSpeed: ``offload_param.device``."""
 
     nvme_path: Optional[str] = None
-    """Directory for NVMe swap files (required when either offload setting is ``"nvme"``). The plugin
-    makes a private sub-directory of its own there and removes it at the end.
+    """Directory for NVMe swap files (required when either offload setting is ``"nvme"``; the registered
+    name ``"zero3_offload_nvme"`` defaults it to ``default_nvme_path()``, the system temp directory). The
+    plugin checks before training that it exists or can be created, is writable and has room, then makes
+    a private sub-directory of its own there (0700, files 0600), removed at the end; one left behind by a
+    crashed run on this host is removed at the next start.
     DeepSpeed: ``offload_optimizer.nvme_path`` / ``offload_param.nvme_path``."""
 
     offload_pin_memory: bool = True
@@ -128,11 +134,12 @@ class Zero3Config:
     Ignored without CUDA. DeepSpeed: ``offload_*.pin_memory``."""
 
     offload_buffer_count: int = 4
-    """Host staging buffers for offload I/O (at least 2: one being filled while another is used).
+    """How many groups' NVMe-tier shards may be in host memory at once, and the read-ahead depth (at
+    least 2: one group is stepped while the next is read and the previous one is written).
     DeepSpeed: ``offload_*.buffer_count``."""
 
     offload_buffer_size: int = 100_000_000
-    """Elements per offload staging buffer; tensors larger than this are streamed in pieces.
+    """Elements per NVMe read or write request; larger shards are streamed in pieces of this size.
     DeepSpeed: ``offload_param.buffer_size``."""
 
     def __post_init__(self) -> None:
@@ -233,6 +240,14 @@ OFFLOAD_DEVICES = (None, "cpu", "nvme")
 CHECKPOINT_FORMATS = ("sharded", "full")
 
 
+def default_nvme_path() -> str:
+    """Where ``"zero3_offload_nvme"`` swaps when no ``nvme_path`` is given: the system temp directory
+    (``$TMPDIR``, else ``/tmp``); the swap files go into a private ``lightning_zero3-<user>`` folder there."""
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
 def _check_offload(config: "Zero3Config") -> None:
     for name in ("offload_optimizer", "offload_params"):
         value = getattr(config, name)
@@ -243,6 +258,13 @@ def _check_offload(config: "Zero3Config") -> None:
                 f"zero3: `{name}={value!r}` is not an offload target; use None (stay on the training device), "
                 '"cpu" or "nvme".'
             )
+    depth = {None: 0, "cpu": 1, "nvme": 2}
+    if depth[config.offload_params] > depth[config.offload_optimizer]:
+        raise Zero3ConfigError(
+            f"zero3: `offload_params={config.offload_params!r}` needs `offload_optimizer` at the same tier or "
+            f"deeper (the optimizer steps the shards where it keeps them), got `offload_optimizer="
+            f"{config.offload_optimizer!r}`; set offload_optimizer={config.offload_params!r}."
+        )
     uses_nvme = "nvme" in (config.offload_optimizer, config.offload_params)
     if uses_nvme and not config.nvme_path:
         raise Zero3ConfigError(

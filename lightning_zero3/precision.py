@@ -104,7 +104,9 @@ class Zero3Precision(Precision):
         skipped_backward = closure_result is None and model.automatic_optimization
         found_inf = False
         if not skipped_backward:
-            found_inf = self.scaler.unscale_and_check(self.main_params(optimizer), self._require_engine().comm)
+            engine = self._require_engine()
+            with engine.grads_in_memory():
+                found_inf = self.scaler.unscale_and_check(self.main_params(optimizer), engine.comm)
         self._after_closure(model, optimizer)  # hooks and clipping see unscaled gradients
         if skipped_backward:
             return closure_result
@@ -115,6 +117,9 @@ class Zero3Precision(Precision):
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         self._require_engine().clip_grad_norm_(float(clip_val), params=list(self.main_params(optimizer)))
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        self._require_engine().clip_grad_value_(float(clip_val), params=list(self.main_params(optimizer)))
 
     def _require_engine(self) -> Zero3Engine:
         if self.engine is None:

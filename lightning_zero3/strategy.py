@@ -52,7 +52,7 @@ from .checkpoint import (
     save_sharded_checkpoint,
 )
 from .checkpoint.files import load_file_checkpoint, save_file_atomically
-from .config import Zero3Config
+from .config import Zero3Config, default_nvme_path
 from .knobs import DEFAULTS, build_config, knob_docstring
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine
 from .engine.materialize import move_real_tensors
@@ -80,6 +80,10 @@ def _init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
             "(it is called for every module built on the meta device, after its reset_parameters())."
         ) from None
     return hook
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class _RootCall(nn.Module):
@@ -351,7 +355,7 @@ class Zero3Strategy(ParallelStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Sharded: this rank's part, keyed by parameter name. Full: the state an unsharded optimizer holds."""
-        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        optimizer = _unwrap(optimizer)
         if self._engine is None:
             return optimizer.state_dict()
         if self._sharded_checkpoints:
@@ -369,9 +373,12 @@ class Zero3Strategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         if self._sharded_checkpoints:
             assert self._engine is not None
-            model_state = checkpoint.pop("state_dict")
-            optimizer_parts = checkpoint.pop("optimizer_states", [])
-            save_sharded_checkpoint(path, self._engine, model_state, optimizer_parts, checkpoint)
+            # the pieces are taken anew inside the save (under offload their values are only readable
+            # there); the entries Lightning put here are this rank's views of the same tensors
+            checkpoint.pop("state_dict")
+            with_optimizers = checkpoint.pop("optimizer_states", None) is not None
+            optimizers = [_unwrap(o) for o in self.optimizers] if with_optimizers else []
+            save_sharded_checkpoint(path, self._engine, optimizers, checkpoint)
         elif self.is_global_zero:
             save_file_atomically(checkpoint, path)
 
@@ -387,7 +394,7 @@ class Zero3Strategy(ParallelStrategy):
         module, engine = self.lightning_module, self._engine
         assert module is not None and engine is not None, "zero3 loads checkpoints after setup"
         fitting = module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
+        optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
         if is_sharded_checkpoint(path):
             return load_sharded_checkpoint(path, engine, optimizers, module.strict_loading, weights_only)
         checkpoint = load_file_checkpoint(path, weights_only)
@@ -442,6 +449,7 @@ class Zero3Strategy(ParallelStrategy):
         # weights sharded. The base teardown would move the module to CPU, reading every (released)
         # weight and hiding the real error behind ours, so it runs with the module detached.
         engine.hooks.remove()
+        engine.release_offload()  # swap files go; no collective involved
         module, self._lightning_module = self._lightning_module, None
         try:
             super().teardown()
@@ -454,6 +462,21 @@ class Zero3Strategy(ParallelStrategy):
             cls.strategy_name,
             cls,
             description="ZeRO stage 3: parameters, gradients and optimizer states sharded across ranks",
+        )
+        strategy_registry.register(
+            "zero3_offload",
+            cls,
+            description="ZeRO stage 3 with optimizer state and parameter shards offloaded to host memory",
+            offload_optimizer="cpu",
+            offload_params="cpu",
+        )
+        strategy_registry.register(
+            "zero3_offload_nvme",
+            cls,
+            description="ZeRO stage 3 with optimizer state and parameter shards swapped to NVMe files",
+            offload_optimizer="nvme",
+            offload_params="nvme",
+            nvme_path=default_nvme_path(),
         )
 
 

@@ -20,14 +20,14 @@ from gpt import GPT, GPTConfig, random_tokens
 from torch import nn
 
 from lightning_zero3 import Zero3Config, Zero3Engine
+from lightning_zero3.engine import Communicator
 from lightning_zero3.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     UnsafeCheckpointError,
     load_sharded_checkpoint,
-    model_pieces,
-    optimizer_pieces,
     save_sharded_checkpoint,
+    write_sharded_checkpoint,
 )
 from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
 
@@ -74,7 +74,7 @@ def _train(model, optimizer, rank: int, world: int, steps: range) -> list[float]
 def _save_case(rank: int, world: int, path: str) -> dict:
     model, engine, optimizer = _sharded(seed=0)
     _train(model, optimizer, rank, world, range(3))
-    save_sharded_checkpoint(Path(path), engine, model_pieces(engine), [optimizer_pieces(engine, optimizer)], {"step": 3})
+    save_sharded_checkpoint(Path(path), engine, [optimizer], {"step": 3})
     return {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer)}
 
 
@@ -186,7 +186,7 @@ def test_truncated_mismatched_and_tampered_checkpoints_fail_naming_the_problem(t
 def _pickled_object_case(rank: int, world: int, path: str) -> str:
     model, engine, optimizer = _sharded(seed=0)
     extra = {"hyper_parameters": {"cfg": CFG}}  # a dataclass: weights-only loading refuses it
-    save_sharded_checkpoint(Path(path), engine, model_pieces(engine), [optimizer_pieces(engine, optimizer)], extra)
+    save_sharded_checkpoint(Path(path), engine, [optimizer], extra)
     try:
         load_sharded_checkpoint(Path(path), engine, [optimizer])
     except CheckpointError as error:
@@ -272,20 +272,13 @@ print(json.dumps({"baseline": base, "peak": hwm()}))
 """
 
 
-class _CommOnly:
-    def __init__(self) -> None:
-        from lightning_zero3.engine import Communicator
-
-        self.comm = Communicator()
-
-
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
 def test_consolidation_streams_tensor_by_tensor(tmp_path, fmt):
     from lightning_zero3.checkpoint import FlatPiece
 
     tensors = {f"layer{i}.weight": torch.full((512, 1024), float(i)) for i in range(48)}  # 96 MiB, 2 MiB each
     state = {name: FlatPiece(t.reshape(-1), 0, t.numel(), tuple(t.shape)) for name, t in tensors.items()}
-    save_sharded_checkpoint(tmp_path / "ckpt", _CommOnly(), state, [], {})
+    write_sharded_checkpoint(tmp_path / "ckpt", Communicator(), state, [], {})
     out = tmp_path / f"model.{fmt}"
     done = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "ckpt"), str(out)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -19,12 +19,14 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine import Zero3Engine
+from ..engine import Communicator, Zero3Engine
 from .atomic import MANIFEST, TRAINER_STATE, commit, partial_path, read_manifest, write_manifest
 from .files import torch_load_checked, write_torch_file
 from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
 from .sharded import (
     MODEL_PREFIX,
+    model_pieces,
+    optimizer_pieces,
     CheckpointMismatchError,
     check_model_fits,
     merge_optimizer_rest,
@@ -52,15 +54,26 @@ def _describe_model(model_state: dict[str, Any]) -> tuple[dict, dict]:
 
 
 def save_sharded_checkpoint(
+    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any]
+) -> None:
+    """Write this rank's shards of the model and of ``optimizers``, and ``extra`` (rank 0's; anything
+    ``torch.load(weights_only=True)`` reads back), to the checkpoint directory ``path`` (a collective).
+
+    Under NVMe offload the rank's states are read into host memory for the duration of the save."""
+    with engine.states_in_memory():
+        model_state = model_pieces(engine)
+        optimizer_parts = [optimizer_pieces(engine, optimizer) for optimizer in optimizers]
+        write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra)
+
+
+def write_sharded_checkpoint(
     path: Path,
-    engine: Zero3Engine,
+    comm: Communicator,
     model_state: dict[str, Any],
     optimizer_parts: list[dict[str, Any]],
     extra: dict[str, Any],
 ) -> None:
-    """Write ``model_state`` (from ``model_pieces``), the optimizers' parts (from ``optimizer_pieces``) and
-    ``extra`` (rank 0's; anything ``torch.load(weights_only=True)`` can read back) to ``path``."""
-    comm = engine.comm
+    """The writing itself, from pieces made by ``model_pieces`` / ``optimizer_pieces`` (or by hand)."""
     path = Path(comm.all_gather_objects(str(path))[0])
     params, buffers = _describe_model(model_state)
     state: dict[str, Any] = {}
@@ -108,6 +121,16 @@ def load_sharded_checkpoint(
     check_model_fits(engine, manifest["params"], manifest["buffers"], strict)
     extra = load_trainer_state(path, weights_only)
     saved_names = manifest["params"].keys() | manifest["buffers"].keys()
+    with engine.states_in_memory():
+        _load_states(path, engine, optimizers, extra, saved_names)
+    refresh_gathered(engine)
+    extra.pop("optimizer_states", None)
+    return extra
+
+
+def _load_states(
+    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict, saved_names: set
+) -> None:
     targets = model_targets(engine, saved_names)
     optimizer_states = []
     if optimizers:
@@ -130,9 +153,7 @@ def load_sharded_checkpoint(
             optimizer_states.append(optimizer_state)
     with torch.no_grad():
         load_pieces(targets, path, engine.comm.group)
-    refresh_gathered(engine)
     for optimizer, optimizer_state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(optimizer_state)
-    extra.pop("optimizer_states", None)
-    return extra
+        engine.keep_host_kernel(optimizer)
 

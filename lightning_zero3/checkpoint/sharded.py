@@ -1,5 +1,8 @@
 """What a rank contributes to a sharded checkpoint, and how it takes its part back.
 
+Under offload the shard parameters and optimizer state hold real values only inside
+``engine.states_in_memory()``: every function here is called inside that block (see ``api.py``).
+
 The model's part is a dict under the module's own ``state_dict`` names: every sharded parameter is a
 ``FlatPiece`` (this rank's element range of the flattened parameter, a view of its shard: nothing is
 copied or gathered), every buffer its tensor. A tied parameter appears under each of its names as the
@@ -51,8 +54,8 @@ def model_pieces(engine: Zero3Engine) -> dict[str, Any]:
     for name, value in engine.module.state_dict(keep_vars=True).items():
         if id(value) in owner:
             group, slot = owner[id(value)]
-            if id(value) not in pieces:
-                pieces[id(value)] = _piece(group, slot, group.shard[slot.lo : slot.hi])
+            if id(value) not in pieces:  # the shard parameter: under offload, a view of the tier's master
+                pieces[id(value)] = _piece(group, slot, slot.shard_param.detach().reshape(-1))
             state[name] = pieces[id(value)]
         else:
             state[name] = value.detach()
@@ -84,7 +87,7 @@ def optimizer_pieces(engine: Zero3Engine, optimizer: torch.optim.Optimizer) -> d
                 entry[key] = value
         state[names[id(shard_param)]] = entry
     groups = [{**g, "params": [names[id(params[i])] for i in g["params"]]} for g in local["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": engine.user_param_groups(optimizer, groups)}
 
 
 def _per_element(value: Any, shard_param: torch.Tensor) -> bool:

@@ -8,12 +8,15 @@ Plain torch can drive it (the engine tests do)::
     loss = model(batch).sum(); loss.backward()         # gathers, releases and reduce-scatters on its own
     optimizer.step(); optimizer.zero_grad()            # shards stepped; gathered copies refreshed
     engine.close()                                     # model holds ordinary full tensors again
+
+With ``offload_optimizer`` / ``offload_params`` set, masters, gradients and optimizer state live in host
+memory or in swap files (``offload/``); ``engine.states_in_memory()`` makes them readable and writable.
 """
 
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional
 
 import torch
@@ -25,6 +28,7 @@ from .hooks import HookManager, UnitRuntime
 from .materialize import InitFn, Materializer, has_meta_tensors
 from .schedule import Schedule
 from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
+from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
 from .optim import clip_grad_norm_, clip_grad_value_, optimizer_params, shard_optimizer
 from .shard import DtypePolicy, FlatGroup, ParamSlot
 from .state import full_optimizer_state, load_full_optimizer_state
@@ -70,13 +74,15 @@ class Zero3Engine:
             # before any group exists: the tuning buffers are not stacked on top of the shards
             self.comm.tune(_collective_sizes(self.plan, dtypes, self.comm.world_size), self.device)
         sync = self.config.sync_module_states
+        self.offload = self._start_offload()
         self.root: Optional[UnitRuntime] = None  # the root unit, if it owns sharded parameters
         self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []  # every other unit, in module order
         for spec in self.plan.units:
             if spec.params:
                 name = spec.path or "<root>"
                 group = FlatGroup(
-                    name, spec.params, self.comm, self.ledger, self.device, False, sync, dtypes, materializer
+                    name, spec.params, self.comm, self.ledger, self.device, False, sync, dtypes,
+                    materializer=materializer, offload=self.offload,
                 )
                 runtime = UnitRuntime(name, group, self.comm)
                 runtime.maybe_release()  # before the next unit is built: one unit in full at a time
@@ -88,7 +94,7 @@ class Zero3Engine:
         if self.plan.persistent:
             group = FlatGroup(
                 "<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync, dtypes,
-                materializer,
+                materializer=materializer, offload=self.offload,
             )
             self.persistent = UnitRuntime(group.name, group, self.comm)
         if materializer is not None:
@@ -108,11 +114,28 @@ class Zero3Engine:
         )
         self.hooks = HookManager(
             module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm,
-            cfg.reduce_bucket_size,
+            cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0,
         )
         self.ledger.reset_peak()
         self.optimizers: list[torch.optim.Optimizer] = []
         self._step_handles: list = []
+        self._offloaded_steps: list[tuple[PipelinedStep, list[dict]]] = []
+
+    def _start_offload(self) -> Optional[Offload]:
+        """The offload tiers, after checking (NVMe) that the swap folder has room for every shard."""
+        cfg = self.config
+        if cfg.offload_optimizer is None:
+            return None
+        offload = Offload(cfg, self.ledger, self.device, self.comm.rank)
+        world = self.comm.world_size
+        planned = 0
+        for params in [spec.params for spec in self.plan.units] + [self.plan.persistent]:
+            numel = sum(p.numel() for _, p in params)
+            if numel:
+                copies = 2 if any(p.requires_grad for _, p in params) else 1  # master (+ gradient)
+                planned += copies * -(-numel // world) * params[0][1].element_size()
+        offload.check_room(planned, "the master and gradient shards")
+        return offload
 
     # -- optimizer --------------------------------------------------------------------------------
 
@@ -120,10 +143,28 @@ class Zero3Engine:
         """Make ``optimizer`` step this rank's shards (in place; returns it for convenience)."""
         shard_optimizer(optimizer, self.slots)
         owners = (self._slot_of_shard[id(p)][0] for p in optimizer_params(optimizer))
-        stepped = {id(group): group for group in owners}
-        self._step_handles.append(optimizer.register_step_post_hook(self._refresh_after_step(list(stepped.values()))))
+        stepped = list({id(group): group for group in owners}.values())
+        refresh = self._refresh_after_step(stepped)
+        if self.offload is None:
+            self._step_handles.append(optimizer.register_step_post_hook(refresh))
+        else:
+            self._offload_optimizer(optimizer, stepped, refresh)
         self.optimizers.append(optimizer)
         return optimizer
+
+    def _offload_optimizer(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], refresh) -> None:
+        """Step ``optimizer`` on the host, group by group (see ``offload/host_optimizer.py``)."""
+        offload = self.offload
+        assert offload is not None
+        state_copies = {"Adam": 2, "AdamW": 2, "SGD": 1, "Adagrad": 1, "RMSprop": 2}.get(type(optimizer).__name__, 2)
+        amsgrad = any(group.get("amsgrad") for group in optimizer.param_groups)
+        state_bytes = (state_copies + amsgrad) * sum(g.shard_numel * g.shard.element_size() for g in groups)
+        offload.check_room(state_bytes, f"the state of {type(optimizer).__name__}")
+        for group in groups:
+            group.store.optimizers.append(optimizer)
+        flags = make_host_fused(optimizer)
+        step = PipelinedStep(optimizer, [g.store for g in groups], offload.buffer_count, lambda: refresh(optimizer, (), {}))
+        self._offloaded_steps.append((step, flags))
 
     @staticmethod
     def _refresh_after_step(groups: list[FlatGroup]):
@@ -138,21 +179,76 @@ class Zero3Engine:
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The state dict an unsharded optimizer would have (a collective; see ``state.py``)."""
-        return full_optimizer_state(optimizer, self._slot_of_shard, self.comm)
+        with self.states_in_memory():
+            full = full_optimizer_state(optimizer, self._slot_of_shard, self.comm)
+        full["param_groups"] = self.user_param_groups(optimizer, full["param_groups"])
+        return full
+
+    def user_param_groups(self, optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> list[dict]:
+        """``param_groups`` of a state dict of ``optimizer`` with the user's own ``fused`` / ``foreach``
+        settings, not the host kernel that offload chose (what checkpoints should record)."""
+        for step, flags in self._offloaded_steps:
+            if step.optimizer is optimizer:
+                return [{**group, **flag} for group, flag in zip(param_groups, flags)]
+        return param_groups
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load a full (unsharded) optimizer state dict, keeping this rank's slice."""
-        load_full_optimizer_state(optimizer, state, self._slot_of_shard, self.comm)
+        with self.states_in_memory():
+            load_full_optimizer_state(optimizer, state, self._slot_of_shard, self.comm)
+        self.keep_host_kernel(optimizer)
+
+    def keep_host_kernel(self, optimizer: torch.optim.Optimizer) -> None:
+        """Call after ``optimizer.load_state_dict``, which brings back the user's ``fused`` / ``foreach``
+        settings: under offload the host step uses the fused kernel again (as before the load)."""
+        for step, _ in self._offloaded_steps:
+            if step.optimizer is optimizer:
+                make_host_fused(optimizer)
+
+    @contextmanager
+    def states_in_memory(self) -> Iterator[None]:
+        """Every shard parameter and every optimizer's state as real, readable and writable tensors for the
+        duration of the block; changes are written back to their tier on exit (and the gathered copies of
+        the parameters refreshed from them). A no-op without offload. Not a collective."""
+        with self._groups_in_memory([rt.group for rt in self.runtimes]):
+            yield
+
+    @contextmanager
+    def _groups_in_memory(self, groups: list[FlatGroup], write_back: bool = True) -> Iterator[None]:
+        """``states_in_memory`` for some groups. ``write_back=False``: read-only use (only a gradient
+        loaded with them goes back, unchanged, since it was read from the file it returns to)."""
+        stores = [g.store for g in groups if g.store is not None and not (g.store.offload.nvme and g.store.resident)]
+        for store in stores:
+            store.start_load()
+        for store in stores:
+            store.attach()
+        try:
+            yield
+        finally:
+            for store in stores:
+                if write_back:
+                    store.publish()
+                store.store(write_grad=store.grad is not None)
+            if stores and self.offload is not None:
+                self.offload.throttle(0)
 
     @property
     def shard_params(self) -> list[nn.Parameter]:
         return [slot.shard_param for slot in self.slots.values()]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, params=None) -> torch.Tensor:
-        return clip_grad_norm_(params if params is not None else self.shard_params, max_norm, self.comm, norm_type)
+        with self.grads_in_memory():
+            return clip_grad_norm_(params if params is not None else self.shard_params, max_norm, self.comm, norm_type)
 
     def clip_grad_value_(self, clip_value: float, params=None) -> None:
-        clip_grad_value_(params if params is not None else self.shard_params, clip_value)
+        with self.grads_in_memory():
+            clip_grad_value_(params if params is not None else self.shard_params, clip_value)
+
+    def grads_in_memory(self):
+        """Gradient shards readable and writable (``.grad``) for the block: under NVMe offload they wait
+        on disk between backward and the step, so this loads them (see ``states_in_memory``)."""
+        nvme = self.offload is not None and self.offload.nvme
+        return self.states_in_memory() if nvme else nullcontext()
 
     # -- full parameters on demand ----------------------------------------------------------------
 
@@ -171,11 +267,12 @@ class Zero3Engine:
         try:
             yield
         finally:
-            for runtime in runtimes:
-                if modifier_rank is not None:
-                    runtime.group.write_back(src=modifier_rank)
-                runtime.context_holds -= 1
-                runtime.maybe_release()
+            with self._groups_in_memory([rt.group for rt in runtimes]) if modifier_rank is not None else nullcontext():
+                for runtime in runtimes:
+                    if modifier_rank is not None:
+                        runtime.group.write_back(src=modifier_rank)
+                    runtime.context_holds -= 1
+                    runtime.maybe_release()
 
     # -- full state dicts ---------------------------------------------------------------------------
 
@@ -184,13 +281,18 @@ class Zero3Engine:
         own = self.module.state_dict(keep_vars=True)  # keep_vars: no op touches the released parameters
         full: dict[int, torch.Tensor] = {}
         for runtime in self.runtimes:
-            master = runtime.group.gather_master()
+            with self._groups_in_memory([runtime.group], write_back=False):
+                master = runtime.group.gather_master()
             for slot in runtime.group.slots:
                 full[id(slot.param)] = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
         return {name: full[id(v)] if id(v) in full else v.detach().clone() for name, v in own.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load full (unsharded) weights: each rank keeps its slice, in the master dtype. Buffers are copied."""
+        with self.states_in_memory():
+            self._load_full_state_dict(state_dict, strict)
+
+    def _load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool) -> None:
         own = self.module.state_dict(keep_vars=True)
         missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
         if strict and (missing or unexpected):
@@ -234,8 +336,13 @@ class Zero3Engine:
             handle.remove()
         self.hooks.remove()
         full_states = [self.full_optimizer_state(optimizer) for optimizer in self.optimizers]
+        for step, flags in self._offloaded_steps:
+            step.remove()
+            restore_flags(step.optimizer.param_groups, flags)
+        self._offloaded_steps = []
         for runtime in self.runtimes:
-            runtime.group.unshard()
+            with self._groups_in_memory([runtime.group], write_back=False):
+                runtime.group.unshard()
         for optimizer, state in zip(self.optimizers, full_states):
             for group in optimizer.param_groups:
                 group["params"][:] = [self._slot_of_shard[id(p)][1].param for p in group["params"]]
@@ -246,6 +353,13 @@ class Zero3Engine:
                 delattr(slot.param, _ENGINE_ATTR)
         self.slots = {}
         self.optimizers = []
+        self.release_offload()
+
+    def release_offload(self) -> None:
+        """Remove the swap files and stop the I/O threads (local; also safe after a failure)."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
 
     def _broadcast_buffers(self) -> None:
         with torch.no_grad():

@@ -24,7 +24,7 @@ from .shard import FlatGroup
 def pack_gradients(group: FlatGroup, comm: Communicator) -> Optional[torch.Tensor]:
     """The group's full gradients as one flat, padded buffer in the reduce dtype, divided by the world
     size; the parameters' own ``.grad`` are freed. None when the group has nothing trainable."""
-    if group.grad_shard is None:
+    if not group.trainable:
         return None
     flat = torch.zeros(group.full.numel(), dtype=group.reduce_dtype, device=group.shard.device)
     for slot in group.trainable_slots:
@@ -95,6 +95,9 @@ class _Accumulation:
 
 
 def _accumulate(group: FlatGroup, reduced: torch.Tensor) -> None:
+    if group.store is not None:  # offload: the gradient shard lives with the master
+        group.store.accumulate(reduced)
+        return
     for slot in group.trainable_slots:
         if slot.hi == slot.lo:
             continue

@@ -92,8 +92,10 @@ class HookManager:
         schedule: Schedule,
         overlap: bool,
         reduce_bucket_numel: int = 0,
+        read_ahead: int = 0,
     ) -> None:
         self.root = root
+        self.read_ahead = read_ahead  # units whose parameter shards are read from NVMe ahead of use
         self.reduce_bucket_numel = reduce_bucket_numel
         self._bucket: list = []  # packed gradients of small units waiting to be reduced together
         self.schedule = schedule
@@ -123,6 +125,8 @@ class HookManager:
             runtime.acquire()
             return
         ahead = self.schedule.on_start(phase, runtime)
+        for unit in self.schedule.upcoming(phase, self.read_ahead):
+            unit.group.prefetch_input()
         start_gathers([runtime.group] + [unit.group for unit in ahead], self.reduce_bucket_numel)
         runtime.acquire()
 

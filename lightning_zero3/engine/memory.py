@@ -23,7 +23,9 @@ PARAM_SHARDS = "param_shards"  # this rank's 1/N of every sharded parameter (the
 GRAD_SHARDS = "grad_shards"  # this rank's 1/N of every gradient, in the shard dtype
 PERSISTENT_PARAMS = "persistent_params"  # whole copies of the small parameters every rank keeps
 GATHERED_PARAMS = "gathered_params"  # full parameters of units gathered right now
-CATEGORIES = (PARAM_SHARDS, GRAD_SHARDS, PERSISTENT_PARAMS, GATHERED_PARAMS)
+OFFLOAD_HOST = "offload_host"  # host-memory tier of offload: master / gradient shards, staging buffers
+OFFLOAD_NVME = "offload_nvme"  # bytes of swap files on the NVMe tier (on disk, not in memory)
+CATEGORIES = (PARAM_SHARDS, GRAD_SHARDS, PERSISTENT_PARAMS, GATHERED_PARAMS, OFFLOAD_HOST, OFFLOAD_NVME)
 
 
 @dataclass
@@ -52,6 +54,12 @@ def new_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
         return torch.zeros(numel, dtype=dtype, device=device)
 
 
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    """An uninitialised flat host buffer for offload; page-locked when ``pin`` (asynchronous copies to CUDA)."""
+    with torch.inference_mode(False):
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
 def free_storage(tensor: torch.Tensor) -> None:
     """Give the memory of ``tensor`` back; the tensor (and its views) survive with an empty storage."""
     storage = tensor.untyped_storage()
@@ -72,7 +80,8 @@ def storage_is_freed(tensor: torch.Tensor) -> bool:
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
-    """Bytes of every tensor held in the optimizers' state (Adam's moments, step counters, ...)."""
+    """Bytes of every tensor held in the optimizers' state (Adam's moments, step counters, ...) in memory
+    (state swapped out to NVMe is held as empty placeholders and counts as ``offload_nvme``)."""
     total = 0
     for optimizer in optimizers:
         for state in optimizer.state.values():

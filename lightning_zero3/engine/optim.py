@@ -60,20 +60,20 @@ def clip_grad_norm_(
     the infinity norm, the all-reduced maximum). Same clip coefficient as torch's ``clip_grad_norm_``.
     """
     grads = [p.grad for p in shard_params if p.grad is not None and p.grad.numel() > 0]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = comm.device  # where the reduction runs (offloaded gradients sit on the host)
     norm_type = float(norm_type)
     if math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else None
+        local = torch.stack([g.detach().abs().max().float().to(device) for g in grads]).max() if grads else None
         total = local if local is not None else torch.zeros((), device=device)
         total = comm.all_reduce(total.reshape(1).clone(), op=torch.distributed.ReduceOp.MAX)[0]
     else:
         powered = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:
-            powered += torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+            powered += (torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type).to(device)
         total = comm.all_reduce(powered)[0] ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.detach().mul_(clip_coef.to(g.dtype))
+        g.detach().mul_(clip_coef.to(g.device, g.dtype))
     return total
 
 

@@ -43,8 +43,7 @@ class ShardedLossScaler:
     def unscale_and_check(self, params: Iterable[torch.Tensor], comm: Communicator) -> bool:
         """Divide the gradients by the scale; True when any rank found a non-finite gradient."""
         grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        found = torch.zeros(1, device=device)
+        found = torch.zeros(1, device=comm.device)  # offloaded gradients sit on the host
         inverse = 1.0 / self.scale
         for grad in grads:
             grad.mul_(inverse)

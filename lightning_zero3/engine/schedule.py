@@ -98,6 +98,13 @@ class Schedule:
         self.cursors[phase] = cursor + 1
         return self._window(trace, cursor + 1)
 
+    def upcoming(self, phase: str, count: int) -> list["UnitRuntime"]:
+        """The next ``count`` units of the recorded trace not gathered yet (none while recording)."""
+        if self.recording or count <= 0:
+            return []
+        trace = self.traces[phase][self.cursors[phase] :]
+        return [unit for unit in trace if not unit.group.gathered and unit.group.pending is None][:count]
+
     def _window(self, trace: list["UnitRuntime"], start: int) -> list["UnitRuntime"]:
         live = sum(rt.group.full.numel() for rt in self.units if rt.group.gathered or rt.group.pending is not None)
         inflight = sum(1 for rt in self.units if rt.group.pending is not None)

@@ -11,6 +11,8 @@ parameter that this rank owns (possibly empty). Parameter groups, weight-decay s
 parameters therefore work unchanged over the shards.
 
 The user's parameters become views into ``full`` (see [Note: freeing by storage resize] in memory.py).
+Under offload the shard parameters view a *master* kept by the group's ``GroupStore`` in host memory or
+on NVMe, and ``shard`` is only the device-side source of all-gathers (see ``offload/tiers.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .released import mark_gathered, mark_released
 
 if TYPE_CHECKING:
     from .materialize import Materializer
+    from .offload import Offload
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class FlatGroup:
         sync_from_rank0: bool = True,
         dtypes: DtypePolicy = DtypePolicy(),
         materializer: Optional["Materializer"] = None,
+        offload: Optional["Offload"] = None,
     ) -> None:
         if not named_params:
             raise ValueError(f"flat group {name!r} has no parameters")
@@ -97,9 +101,9 @@ class FlatGroup:
         self.shard_numel = -(-total // world)  # ceil division
         self.numel = total
         self.shard = new_buffer(self.shard_numel, self.dtype, device)
-        self.grad_shard = (
-            new_buffer(self.shard_numel, self.dtype, device) if any(p.requires_grad for _, p in named_params) else None
-        )
+        self.trainable = any(p.requires_grad for _, p in named_params)
+        # under offload the gradient shard lives with the master, in the store
+        self.grad_shard = new_buffer(self.shard_numel, self.dtype, device) if self.trainable and not offload else None
 
         with torch.no_grad():
             # One buffer of the full (padded) size is alive per group while it is built; it becomes ``full``
@@ -124,13 +128,14 @@ class FlatGroup:
                 self.full = new_buffer(master.numel(), self.compute_dtype, device)
                 self.full.copy_(master)
             del master
+        self.store = offload.new_store(self.shard, self.trainable) if offload is not None else None
 
         self.slots: list[ParamSlot] = []
         offset = 0
         for name_, p in named_params:
             lo = min(max(offset - start, 0), self.shard_numel)
             hi = min(max(offset + p.numel() - start, 0), self.shard_numel)
-            shard_param = nn.Parameter(self.shard[lo:hi], requires_grad=p.requires_grad)
+            shard_param = nn.Parameter(self.master[lo:hi], requires_grad=p.requires_grad)
             shard_param._zero3_name = name_
             p.data = self.full[offset : offset + p.numel()].view(p.shape)
             p._zero3_name = name_
@@ -144,6 +149,13 @@ class FlatGroup:
         self.pending: Optional[Pending] = None  # an all-gather in flight into ``full``
         self._source: Optional[torch.Tensor] = None  # what it reads, kept alive until it completes
         self.ledger.add(self._full_category, self._nbytes(self.full))
+        if self.store is not None:
+            self.store.bind(self)
+
+    @property
+    def master(self) -> Optional[torch.Tensor]:
+        """What the shard parameters view and the optimizer steps (None while swapped out to NVMe)."""
+        return self.shard if self.store is None else self.store.master
 
     # -- gather / release -------------------------------------------------------------------------
 
@@ -161,8 +173,23 @@ class FlatGroup:
             return
         self._begin_fill()
         with torch.no_grad():
-            self._source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+            shard = self.gather_input()
+            self._source = shard if self.compute_dtype == self.dtype else shard.to(self.compute_dtype)
             self.pending = self.comm.all_gather(self.full, self._source, async_op=True)
+
+    def gather_input(self) -> torch.Tensor:
+        """The device shard, valid for an all-gather (under offload: refilled from its tier)."""
+        return self.shard if self.store is None else self.store.fill(self.shard)
+
+    def prefetch_input(self) -> None:
+        """Start reading the parameter shard from its tier ahead of use (NVMe parameters)."""
+        if self.store is not None:
+            self.store.prefetch_params()
+
+    def _gathered(self) -> None:
+        """An all-gather into ``full`` completed: the device shard may go back to its tier."""
+        if self.store is not None:
+            self.store.unfill(self.shard)
 
     def _begin_fill(self) -> None:
         """Give ``full`` its memory back before a gather writes into it."""
@@ -179,6 +206,7 @@ class FlatGroup:
             self.start_gather(force)
         self.pending.wait()
         self.pending = self._source = None
+        self._gathered()
         for slot in self.slots:
             mark_gathered(slot.param, slot.original_class)
         self.gathered = True
@@ -187,8 +215,13 @@ class FlatGroup:
         """A new flat tensor with the full parameters in the master dtype (for checkpoints, teardown)."""
         flat = torch.empty(self.full.numel(), dtype=self.dtype, device=self.shard.device)
         with torch.no_grad():
-            self.comm.all_gather(flat, self.shard)
+            self.comm.all_gather(flat, self._master_on_device("gathering full weights"))
         return flat
+
+    def _master_on_device(self, what: str) -> torch.Tensor:
+        if self.store is None:
+            return self.shard
+        return self.store.require_resident(what).to(self.shard.device)
 
     def load_slice(self, slot: ParamSlot, full_value: torch.Tensor) -> None:
         """Set this rank's piece of ``slot``'s parameter from the parameter's full value."""
@@ -198,9 +231,10 @@ class FlatGroup:
                 f"{tuple(slot.param.shape)} has {slot.numel}; the state dict was written for another model."
             )
         start = self.comm.rank * self.shard_numel + slot.lo - slot.offset
+        master = self.master if self.store is None else self.store.require_resident("loading weights")
         with torch.no_grad():
             piece = full_value.reshape(-1)[start : start + slot.hi - slot.lo]
-            self.shard[slot.lo : slot.hi].copy_(piece)
+            master[slot.lo : slot.hi].copy_(piece)
 
     def release(self) -> None:
         """Free the full parameters (persistent groups are never released)."""
@@ -227,7 +261,8 @@ class FlatGroup:
             if src is not None:
                 self.comm.broadcast(self.full, src=src)
             start = self.comm.rank * self.shard_numel
-            self.shard.copy_(self.full[start : start + self.shard_numel])
+            master = self.master if self.store is None else self.store.require_resident("writing weights back")
+            master.copy_(self.full[start : start + self.shard_numel])
 
     def unshard(self) -> None:
         """Turn the parameters back into ordinary, independent full tensors in the master dtype (at teardown)."""
@@ -238,7 +273,8 @@ class FlatGroup:
         if self.gathered:
             free_storage(self.full)
             self.ledger.remove(self._full_category, self._nbytes(self.full))
-        self.ledger.remove(PARAM_SHARDS, self._nbytes(self.shard))
+        if self.store is None or self.store.offload.param_tier is None:
+            self.ledger.remove(PARAM_SHARDS, self._nbytes(self.shard))
         if self.grad_shard is not None:
             self.ledger.remove(GRAD_SHARDS, self._nbytes(self.grad_shard))
         self.gathered = False
@@ -278,7 +314,9 @@ def _start_coalesced(groups: list[FlatGroup]) -> None:
     comm, world = groups[0].comm, groups[0].comm.world_size
     widths = [g.shard_numel for g in groups]
     with torch.no_grad():
-        source = torch.cat([g.shard.to(g.compute_dtype) for g in groups])
+        source = torch.cat([g.gather_input().to(g.compute_dtype) for g in groups])
+        for group in groups:
+            group._gathered()  # the concatenated copy is what the collective reads
         landing = torch.empty(world, sum(widths), dtype=source.dtype, device=source.device)
         pending = comm.all_gather(landing.view(-1), source, async_op=True)
 

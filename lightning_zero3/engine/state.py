@@ -82,7 +82,7 @@ def load_full_optimizer_state(
             if torch.is_tensor(value) and value.dim() > 0 and value.shape == slot.param.shape:
                 entry[key] = value.reshape(-1)[start : start + slot.hi - slot.lo].clone()
             else:
-                entry[key] = value
+                entry[key] = value.clone() if torch.is_tensor(value) else value  # never alias the caller's dict
         local_state[index] = entry
     optimizer.load_state_dict({"state": local_state, "param_groups": full["param_groups"]})
 

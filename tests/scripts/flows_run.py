@@ -8,6 +8,8 @@ Modes:
   fp16      16-mixed with an inf injected into rank 1's gradient shard at step 3, vs step 3 skipped by
             construction; per-step loss scales on every rank; the scaler state in a checkpoint.
   resume    1 epoch (3 steps), save, resume for a 2nd epoch (under zero3 and DDP) vs 2 uninterrupted epochs.
+
+``--offload cpu|nvme`` runs every zero3 Trainer with that offload (both tiers; swap files under OUT/nvme).
 """
 
 from __future__ import annotations
@@ -90,8 +92,11 @@ def trainer(strategy, **kwargs) -> pl.Trainer:
     return pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
 
 
+OFFLOAD: dict = {}  # offload knobs for every zero3 Trainer (--offload)
+
+
 def zero3():
-    return lightning_zero3.Zero3Strategy(persistence_threshold=500)
+    return lightning_zero3.Zero3Strategy(persistence_threshold=500, **OFFLOAD)
 
 
 def flows() -> dict:
@@ -231,7 +236,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["flows", "touch", "frozen", "resume", "fp16"])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--offload", choices=["cpu", "nvme"])
     args = parser.parse_args()
+    if args.offload:
+        OFFLOAD.update(offload_optimizer=args.offload, offload_params=args.offload)
+        if args.offload == "nvme":
+            OFFLOAD["nvme_path"] = str(args.out / "nvme")
     args.out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
     if args.mode == "flows":

@@ -44,8 +44,10 @@ class StepLosses(pl.Callback):
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             stats = engine.comm.stats
+            io = engine.offload.io if engine.offload is not None else None
             self.memory = {
                 "report": engine.memory_report(),
+                "swap_io": {"read": io.stats.read_bytes, "written": io.stats.write_bytes} if io else None,
                 "units": engine.unit_sizes(),
                 "comm_bytes": {kind: stats[kind].bytes for kind in stats},
             }
@@ -93,11 +95,19 @@ VARIANTS = {
 }
 # zero3 knobs per variant (DDP has no equivalent)
 ZERO3_KNOBS = {"bf16_reduce_bf16": {"reduce_dtype": "bf16"}}
+# the offload strategies: the knobs of their registered names ("nvme" swaps under OUT/nvme)
+OFFLOAD = {
+    "zero3_offload": {"offload_optimizer": "cpu", "offload_params": "cpu"},
+    "zero3_offload_nvme": {"offload_optimizer": "nvme", "offload_params": "nvme"},
+}
 
 
-def strategy_for(name: str, variant: str, threshold: int):
-    if name == "zero3":
-        return lightning_zero3.Zero3Strategy(persistence_threshold=threshold, **ZERO3_KNOBS.get(variant, {}))
+def strategy_for(name: str, variant: str, threshold: int, out: Path):
+    if name.startswith("zero3"):
+        knobs = {**ZERO3_KNOBS.get(variant, {}), **OFFLOAD.get(name, {})}
+        if "nvme" in knobs.values():
+            knobs["nvme_path"] = str(out / "nvme")
+        return lightning_zero3.Zero3Strategy(persistence_threshold=threshold, **knobs)
     return name
 
 
@@ -112,7 +122,7 @@ def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) ->
     data = random_tokens(steps * accumulate * BATCH * devices, cfg.block_size, cfg.vocab_size, seed=7)
     record = StepLosses()
     trainer = pl.Trainer(
-        strategy=strategy_for(strategy, variant, threshold),
+        strategy=strategy_for(strategy, variant, threshold, out),
         accelerator="cpu",
         devices=devices,
         max_steps=steps,
