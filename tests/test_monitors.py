@@ -83,7 +83,7 @@ def test_comm_figures_per_collective_kind(run):
             for value in _series(events, f"zero3/comm/{kind}/utilization/{how}").values():
                 # against the best of a few synchronous runs at the same sizes: noise on a shared CPU
                 # machine lets a lucky interval edge past its peak
-                assert 0 < value <= 1.5
+                assert 0 < value <= 1 + 1e-9  # the peak is the best busbw seen at that size
     for value in _series(events, "zero3/comm/prefetch_hit_rate/mean").values():
         assert 0 <= value <= 1
     # the logged figures are the last ones rank 0 logged

@@ -10,7 +10,9 @@ since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max
   - ``utilization``: busbw against the peak busbw measured for the same kind and message size on this
     job's group at start-up, right after the first step, when the sizes this job uses are known
     (``Communicator.measure_peaks``; a size first seen later is measured then), weighted by message:
-    sum(bytes_s / peak_algbw_s) / sum(seconds_s) over the sizes s.
+    sum(bytes_s / peak_algbw_s) / sum(seconds_s) over the sizes s. When training itself reaches a higher
+    busbw at some size than the start-up measurement did (a measurement on a busy machine can come in
+    low), that becomes the size's peak: utilization never exceeds 1.
 And ``zero3/comm/prefetch_hit_rate``: the share of unit starts whose parameters were already gathered
 or in flight.
 
@@ -109,10 +111,13 @@ class CommMonitor(Zero3Monitor):
             if key[0] != kind or key not in peaks:
                 continue
             b0, s0 = before.get(key, (0, 0.0))
-            if nbytes - b0 <= 0:
+            if nbytes - b0 <= 0 or seconds - s0 <= 0:
                 continue
-            peak_algbw = peaks[key] / self.engine.comm.bus_factor(kind)
-            ideal += (nbytes - b0) / peak_algbw
+            factor = self.engine.comm.bus_factor(kind)
+            reached = (nbytes - b0) / (seconds - s0) * factor
+            if reached > peaks[key]:  # the start-up measurement came in low (a busy machine): raise the peak
+                peaks[key] = self.engine.comm.peak_busbw[key] = reached
+            ideal += (nbytes - b0) / (peaks[key] / factor)
             actual += seconds - s0
         return ideal / actual if actual > 0 else NAN
 
