@@ -25,7 +25,8 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 import lightning_zero3  # noqa: F401  (registers the strategy names)
 
 
-def main(args: ArgsType = None, run: bool = True) -> Optional[LightningCLI]:
+def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
+    """The LightningCLI itself (``run=False`` parses and instantiates without running a subcommand)."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return LightningCLI(
@@ -39,5 +40,11 @@ def main(args: ArgsType = None, run: bool = True) -> Optional[LightningCLI]:
     )
 
 
+def main(args: ArgsType = None) -> int:
+    """The console script: exit status 0 when the subcommand finished (errors exit non-zero on their own)."""
+    build_cli(args)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

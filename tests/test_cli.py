@@ -13,7 +13,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_zero3 import Zero3Config, Zero3Strategy
-from lightning_zero3.cli import main
+from lightning_zero3.cli import build_cli, main
 from lightning_zero3.knobs import field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_a_bad_value_fails_while_parsing_with_the_field_named(capsys):
     assert "offload_optimizer" in capsys.readouterr().err
     # range checks run when the CLI builds the strategy, still before any process starts
     with pytest.raises(ValueError, match="`persistence_threshold` must be >= 0, got -5"):
-        main(["--config", config, "--trainer.strategy.init_args.persistence_threshold", "-5"], run=False)
+        build_cli(["--config", config, "--trainer.strategy.init_args.persistence_threshold", "-5"], run=False)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
