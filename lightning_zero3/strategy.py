@@ -13,8 +13,7 @@ import logging
 import os
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
 import torch.distributed
@@ -29,7 +28,6 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -38,20 +36,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 
-from .checkpoint import (
-    CheckpointMismatchError,
-    is_sharded_checkpoint,
-    load_sharded_checkpoint,
-    model_pieces,
-    optimizer_pieces,
-    remove_checkpoint,
-    save_sharded_checkpoint,
-)
-from .checkpoint.files import load_file_checkpoint, save_file_atomically
+from .checkpointing import CheckpointingMixin
 from .config import Zero3Config, default_nvme_path
 from .knobs import DEFAULTS, build_config, knob_docstring
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine
@@ -82,10 +70,6 @@ def _init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
     return hook
 
 
-def _unwrap(optimizer: Optimizer) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
 class _RootCall(nn.Module):
     """A thin wrapper whose ``forward`` calls the LightningModule.
 
@@ -102,7 +86,7 @@ class _RootCall(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class Zero3Strategy(ParallelStrategy):
+class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer states partitioned across data-parallel ranks.
 
     ``Trainer(strategy="zero3")`` after ``import lightning_zero3``, or ``Trainer(strategy=Zero3Strategy(...))``
@@ -327,107 +311,6 @@ class Zero3Strategy(ParallelStrategy):
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
         return holder[0]
-
-    # -- checkpoints ------------------------------------------------------------------------------
-    # Sharded (default): each rank's pieces go straight to a checkpoint directory (``checkpoint/``);
-    # full: one file of gathered state. Either loads after ``setup``, straight into the engine's shards.
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # checkpoints load into the shards, which exist once the engine is built
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # ``load_checkpoint`` restores the optimizers itself
-
-    @property
-    def _sharded_checkpoints(self) -> bool:
-        return self._engine is not None and self.config.checkpoint_format == "sharded"
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded: this rank's ``FlatPiece`` of each parameter (no copy). Full: the gathered weights under
-        the module's own names, in the master dtype (a collective)."""
-        module = self.lightning_module
-        assert module is not None
-        if self._engine is None:
-            return module.state_dict()
-        return model_pieces(self._engine) if self._sharded_checkpoints else self._engine.full_state_dict()
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Sharded: this rank's part, keyed by parameter name. Full: the state an unsharded optimizer holds."""
-        optimizer = _unwrap(optimizer)
-        if self._engine is None:
-            return optimizer.state_dict()
-        if self._sharded_checkpoints:
-            return optimizer_pieces(self._engine, optimizer)
-        return self._engine.full_optimizer_state(optimizer)
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "zero3: `save_checkpoint(..., storage_options=...)` is not supported: zero3 writes checkpoints "
-                "itself (sharded directories, or atomic single files), not through a CheckpointIO plugin."
-            )
-        path = Path(self.broadcast(str(filepath)))
-        if self._sharded_checkpoints:
-            assert self._engine is not None
-            # the pieces are taken anew inside the save (under offload their values are only readable
-            # there); the entries Lightning put here are this rank's views of the same tensors
-            checkpoint.pop("state_dict")
-            with_optimizers = checkpoint.pop("optimizer_states", None) is not None
-            optimizers = [_unwrap(o) for o in self.optimizers] if with_optimizers else []
-            save_sharded_checkpoint(path, self._engine, optimizers, checkpoint)
-        elif self.is_global_zero:
-            save_file_atomically(checkpoint, path)
-
-    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
-        if self.is_global_zero:
-            remove_checkpoint(Path(filepath))
-
-    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a sharded directory or a full file into the engine; return the rest for Lightning.
-
-        Loading is weights-only (no code in a checkpoint runs) unless ``weights_only=False`` is passed."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        module, engine = self.lightning_module, self._engine
-        assert module is not None and engine is not None, "zero3 loads checkpoints after setup"
-        fitting = module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
-        if is_sharded_checkpoint(path):
-            return load_sharded_checkpoint(path, engine, optimizers, module.strict_loading, weights_only)
-        checkpoint = load_file_checkpoint(path, weights_only)
-        engine.load_full_state_dict(checkpoint["state_dict"], strict=module.strict_loading)
-        if optimizers:
-            if "optimizer_states" not in checkpoint:
-                raise CheckpointMismatchError(
-                    f"zero3: {path} holds no optimizer state (was it saved with `save_weights_only=True`?), so "
-                    "training cannot resume from it; load its weights with `trainer.fit(model)` after "
-                    "`model.load_state_dict(...)`, or resume from a full checkpoint."
-                )
-            self.load_optimizer_state_dict(checkpoint)
-        return checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(
-                f"zero3: the checkpoint holds {len(states)} optimizer state(s) but `configure_optimizers` "
-                f"returned {len(self.optimizers)}; resume with the optimizers the checkpoint was written with."
-            )
-        for optimizer, state in zip(self.optimizers, states):
-            if self._engine is None:
-                optimizer.load_state_dict(state)
-            else:
-                self._engine.load_full_optimizer_state(optimizer, state)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        assert module is not None
-        if self._engine is None:
-            module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        # with an engine, ``load_checkpoint`` has already put the weights into the shards
 
     # -- teardown ---------------------------------------------------------------------------------
 
