@@ -78,6 +78,11 @@ def main(args: argparse.Namespace) -> dict:
             if strategy in skipped:
                 continue
             outcome = launch(strategy, args)
+            if isinstance(outcome, str) and outcome.startswith("failed"):
+                # one retry for a launch that failed (a transient cause such as a port taken between
+                # being chosen and bound); the first failure is printed, not hidden
+                print(f"run {run + 1}/{args.runs} {strategy}: {outcome}\n  retrying once", file=sys.stderr, flush=True)
+                outcome = launch(strategy, args)
             if isinstance(outcome, str):
                 skipped[strategy] = outcome
             else:
