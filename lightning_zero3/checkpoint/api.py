@@ -32,7 +32,6 @@ from .sharded import (
     merge_optimizer_rest,
     model_targets,
     optimizer_targets,
-    refresh_gathered,
     split_optimizer_part,
 )
 
@@ -123,7 +122,7 @@ def load_sharded_checkpoint(
     saved_names = manifest["params"].keys() | manifest["buffers"].keys()
     with engine.states_in_memory():
         _load_states(path, engine, optimizers, extra, saved_names)
-    refresh_gathered(engine)
+    engine.refresh_gathered()
     extra.pop("optimizer_states", None)
     return extra
 

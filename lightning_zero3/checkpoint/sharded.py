@@ -172,13 +172,6 @@ def optimizer_targets(
     return targets, {"state": state, "param_groups": groups}
 
 
-def refresh_gathered(engine: Zero3Engine) -> None:
-    """Shards changed under the model: full copies alive right now are gathered anew."""
-    for runtime in engine.runtimes:
-        if runtime.group.gathered:
-            runtime.group.gather(force=True)
-
-
 def split_optimizer_part(part: dict[str, Any], index: int) -> tuple[dict[str, FlatPiece], dict]:
     """An ``optimizer_pieces`` dict -> (its FlatPieces under DCP keys, the rest with per-element key names)."""
     prefix = optimizer_prefix(index)

@@ -305,6 +305,10 @@ class Zero3Engine:
                     self._slot_of_shard[id(slot.shard_param)][0].load_slice(slot, value)
                 elif target is not None:
                     target.copy_(value)
+        self.refresh_gathered()
+
+    def refresh_gathered(self) -> None:
+        """The shards changed under the model: full copies alive right now are gathered anew."""
         for runtime in self.runtimes:
             if runtime.group.gathered:
                 runtime.group.gather(force=True)
