@@ -104,9 +104,7 @@ class Zero3Precision(Precision):
         skipped_backward = closure_result is None and model.automatic_optimization
         found_inf = False
         if not skipped_backward:
-            engine = self._require_engine()
-            with engine.grads_in_memory():
-                found_inf = self.scaler.unscale_and_check(self.main_params(optimizer), engine.comm)
+            found_inf = self.scaler.unscale_and_check(self._require_engine(), list(self.main_params(optimizer)))
         self._after_closure(model, optimizer)  # hooks and clipping see unscaled gradients
         if skipped_backward:
             return closure_result

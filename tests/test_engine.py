@@ -12,7 +12,7 @@ from gpt import GPT, GPTConfig, random_tokens
 from torch import nn
 
 from lightning_zero3 import ParameterNotGatheredError, Zero3Config, Zero3Engine, gathered_parameters
-from lightning_zero3.engine.memory import storage_is_freed
+from lightning_zero3.engine.memory import resident_bytes
 from lightning_zero3.engine.optim import OptimizerShardingError
 
 CFG = GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=128)
@@ -36,11 +36,10 @@ def _real_bytes(engine: Zero3Engine) -> dict:
         group = runtime.group
         shards += group.shard.untyped_storage().nbytes()
         grads += group.grad_shard.untyped_storage().nbytes() if group.grad_shard is not None else 0
-        full = group.full.untyped_storage().nbytes()
         if group.persistent:
-            persistent += full
-        else:
-            gathered += full
+            persistent += group.full.untyped_storage().nbytes()
+        else:  # released buffers keep their mapping: ask the kernel which pages are really there
+            gathered += resident_bytes(group.full)
     state = sum(
         v.untyped_storage().nbytes()
         for opt in engine.optimizers
@@ -75,7 +74,7 @@ def _memory_case(rank: int, world: int, prefetch: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     handle.remove()
-    released = [storage_is_freed(p) for p in model.blocks[2].parameters() if p.numel() >= 10_000]
+    released = [resident_bytes(p) == 0 for p in model.blocks[2].parameters() if p.numel() >= 10_000]
     return {
         "n_params": n_params,
         "report": engine.memory_report(),
@@ -91,8 +90,8 @@ def test_model_state_bytes_match_formula_and_real_tensors(world, prefetch):
     for result in run_ranks(_memory_case, world, prefetch):
         report, real = result["report"], result["real"]
         # the ledger is exact against the tensors themselves
-        for key in real:
-            assert report[key] == real[key], key
+        for key in real:  # resident pages round a buffer up to whole pages (4 KiB) per unit
+            assert 0 <= real[key] - report[key] < 4096 * len(result["units"]), (key, report[key], real[key])
         # parameter bytes are the shards plus the whole copies of the small, persistent parameters
         params = report["param_shards"] + report["persistent_params"]
         state = params + report["grad_shards"] + report["optimizer_state"]
@@ -106,7 +105,7 @@ def test_model_state_bytes_match_formula_and_real_tensors(world, prefetch):
         bound = sum(sizes[-2:]) if not prefetch else sum(sizes[-4:])
         assert 0 < report["peak_gathered_params"] <= bound
         for ledger, measured in result["gathered_in_forward"]:
-            assert ledger == measured
+            assert 0 <= measured - ledger < 4096 * len(result["units"]), (ledger, measured)
         assert result["released"] and all(result["released"])
 
 

@@ -90,7 +90,9 @@ def test_offload_matches_zero3_and_ddp(runs, strategy, variant):
         assert report["offload_host"] > 0 and report["offload_nvme"] == 0
     else:  # masters, gradients and Adam's moments on disk; only the step counters stay in memory
         assert report["offload_nvme"] >= 4 * report["optimizer_state"] > 0
-        assert report["offload_host"] < report["offload_nvme"]  # a few pooled staging buffers, no more
+        # pooled host buffers, never more than offload_buffer_count (4) groups' master, gradient and moments
+        largest_group = max(offload["memory"]["units"].values()) // 2  # a unit's shard on 2 ranks
+        assert report["peak_offload_host"] <= 4 * 4 * largest_group
         assert offload["memory"]["swap_io"]["read"] > 0 and offload["memory"]["swap_io"]["written"] > 0
         assert not any((runs / "2" / "nvme").glob("lightning_zero3-*/*"))  # swap folders removed at the end
 

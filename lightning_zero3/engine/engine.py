@@ -23,13 +23,14 @@ import torch
 from torch import nn
 
 from ..config import Zero3Config
+from . import gradients
 from .comm import Communicator
 from .hooks import HookManager, UnitRuntime
 from .materialize import InitFn, Materializer, has_meta_tensors
-from .schedule import Schedule
-from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
+from .memory import GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, optimizer_state_bytes, resident_bytes
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
-from .optim import clip_grad_norm_, clip_grad_value_, optimizer_params, shard_optimizer
+from .optim import optimizer_params, shard_optimizer
+from .schedule import Schedule
 from .shard import DtypePolicy, FlatGroup, ParamSlot
 from .state import full_optimizer_state, load_full_optimizer_state
 from .units import plan_units
@@ -37,6 +38,15 @@ from .units import plan_units
 # Which engine manages a parameter is kept on the parameter itself (a weak reference under this
 # attribute), so ``gathered_parameters(module)`` works from the module alone.
 _ENGINE_ATTR = "_zero3_engine"
+# The engine sharding a module, for as long as the module lives: a later Trainer (validate after fit,
+# a second fit) finds it there and runs on the same shards. Weak keys: no reference cycle through the
+# module's own attributes, so deep copies and pickles of the module do not drag the engine along.
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, Zero3Engine]" = weakref.WeakKeyDictionary()
+
+
+def engine_of(module: nn.Module) -> Optional["Zero3Engine"]:
+    """The engine that shards ``module`` (None if it is not sharded)."""
+    return _ENGINES.get(module)
 
 
 class NoTrainableParametersError(ValueError):
@@ -60,6 +70,7 @@ class Zero3Engine:
         self.config = config or Zero3Config()
         self.comm = comm or Communicator()
         self.ledger = ByteLedger()
+        self.pool = BufferPool(self.ledger)  # staging buffers, see [Note: reused staging buffers] in memory.py
         first = next(module.parameters(), None)
         meta = has_meta_tensors(module)
         if device is None and meta:
@@ -81,7 +92,7 @@ class Zero3Engine:
             if spec.params:
                 name = spec.path or "<root>"
                 group = FlatGroup(
-                    name, spec.params, self.comm, self.ledger, self.device, False, sync, dtypes,
+                    name, spec.params, self.comm, self.ledger, self.pool, self.device, False, sync, dtypes,
                     materializer=materializer, offload=self.offload,
                 )
                 runtime = UnitRuntime(name, group, self.comm)
@@ -93,8 +104,8 @@ class Zero3Engine:
         self.persistent: Optional[UnitRuntime] = None
         if self.plan.persistent:
             group = FlatGroup(
-                "<persistent>", self.plan.persistent, self.comm, self.ledger, self.device, True, sync, dtypes,
-                materializer=materializer, offload=self.offload,
+                "<persistent>", self.plan.persistent, self.comm, self.ledger, self.pool, self.device, True, sync,
+                dtypes, materializer=materializer, offload=self.offload,
             )
             self.persistent = UnitRuntime(group.name, group, self.comm)
         if materializer is not None:
@@ -116,7 +127,9 @@ class Zero3Engine:
             module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm,
             cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0,
         )
-        self.ledger.reset_peak()
+        _ENGINES[module] = self
+        if self.offload is not None:
+            self.offload.plan_host_pool([rt.group.shard_numel * rt.group.shard.element_size() for rt in self.runtimes])
         self.optimizers: list[torch.optim.Optimizer] = []
         self._step_handles: list = []
         self._offloaded_steps: list[tuple[PipelinedStep, list[dict]]] = []
@@ -163,19 +176,45 @@ class Zero3Engine:
         for group in groups:
             group.store.optimizers.append(optimizer)
         flags = make_host_fused(optimizer)
-        step = PipelinedStep(optimizer, [g.store for g in groups], offload.buffer_count, lambda: refresh(optimizer, (), {}))
+        step = PipelinedStep(
+            optimizer, [g.store for g in groups], [g.source for g in groups], offload.buffer_count,
+            lambda: refresh(optimizer, (), {}),
+        )
         self._offloaded_steps.append((step, flags))
 
-    @staticmethod
-    def _refresh_after_step(groups: list[FlatGroup]):
+    def _refresh_after_step(self, groups: list[FlatGroup]):
         def hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             # Shards changed: any full copy that is alive right now (persistent parameters, a root
             # whose forward is still running in manual optimization) is gathered anew.
             for group in groups:
                 if group.gathered:
                     group.gather(force=True)
+            self.note_optimizer_state()
 
         return hook
+
+    def note_optimizer_state(self) -> None:
+        """Bring the ledger's optimizer-state figure up to date (the optimizers create their state lazily)."""
+        self.ledger.set(OPTIMIZER_STATE, optimizer_state_bytes(self.optimizers))
+
+    def detach_optimizers(self) -> None:
+        """Forget the optimizers sharded so far (a new ``fit`` builds its own), and their state."""
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles = []
+        for step, flags in self._offloaded_steps:
+            step.remove()
+            restore_flags(step.optimizer.param_groups, flags)
+        self._offloaded_steps = []
+        if self.offload is not None:
+            for store in self.offload.stores:
+                store.optimizers = []
+        for optimizer in self.optimizers:
+            optimizer.state.clear()
+        self.optimizers = []
+        for slot in self.slots.values():
+            slot.shard_param.grad = None
+        self.note_optimizer_state()
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The state dict an unsharded optimizer would have (a collective; see ``state.py``)."""
@@ -197,6 +236,7 @@ class Zero3Engine:
         with self.states_in_memory():
             load_full_optimizer_state(optimizer, state, self._slot_of_shard, self.comm)
         self.keep_host_kernel(optimizer)
+        self.note_optimizer_state()
 
     def keep_host_kernel(self, optimizer: torch.optim.Optimizer) -> None:
         """Call after ``optimizer.load_state_dict``, which brings back the user's ``fused`` / ``foreach``
@@ -209,7 +249,8 @@ class Zero3Engine:
     def states_in_memory(self) -> Iterator[None]:
         """Every shard parameter and every optimizer's state as real, readable and writable tensors for the
         duration of the block; changes are written back to their tier on exit (and the gathered copies of
-        the parameters refreshed from them). A no-op without offload. Not a collective."""
+        the parameters refreshed from them). A no-op without offload. Not a collective. Under NVMe this
+        holds the rank's whole states in host memory: the engine's own passes stream group by group."""
         with self._groups_in_memory([rt.group for rt in self.runtimes]):
             yield
 
@@ -217,38 +258,49 @@ class Zero3Engine:
     def _groups_in_memory(self, groups: list[FlatGroup], write_back: bool = True) -> Iterator[None]:
         """``states_in_memory`` for some groups. ``write_back=False``: read-only use (only a gradient
         loaded with them goes back, unchanged, since it was read from the file it returns to)."""
-        stores = [g.store for g in groups if g.store is not None and not (g.store.offload.nvme and g.store.resident)]
-        for store in stores:
-            store.start_load()
-        for store in stores:
-            store.attach()
+        groups = [g for g in groups if g.store is not None and not (g.store.offload.nvme and g.store.resident)]
+        for group in groups:
+            group.store.start_load()
+        for group in groups:
+            group.store.attach()
         try:
             yield
         finally:
-            for store in stores:
+            for group in groups:
                 if write_back:
-                    store.publish()
-                store.store(write_grad=store.grad is not None)
-            if stores and self.offload is not None:
+                    group.source.publish()
+                group.store.evict(write_grad=group.store.grad is not None)
+            if groups and self.offload is not None:
                 self.offload.throttle(0)
 
     @property
     def shard_params(self) -> list[nn.Parameter]:
         return [slot.shard_param for slot in self.slots.values()]
 
+    # -- gradients (see gradients.py) ---------------------------------------------------------------
+
+    @property
+    def _groups(self) -> list[FlatGroup]:
+        return [rt.group for rt in self.runtimes]
+
+    @property
+    def _buffer_count(self) -> int:
+        return self.config.offload_buffer_count
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, params=None) -> torch.Tensor:
-        with self.grads_in_memory():
-            return clip_grad_norm_(params if params is not None else self.shard_params, max_norm, self.comm, norm_type)
+        """Clip by the norm of the full gradients (a collective); ``params``: shard parameters (default all)."""
+        return gradients.clip_grad_norm_(
+            self._groups, gradients.ids(params), max_norm, self.comm, norm_type, self._buffer_count
+        )
 
     def clip_grad_value_(self, clip_value: float, params=None) -> None:
-        with self.grads_in_memory():
-            clip_grad_value_(params if params is not None else self.shard_params, clip_value)
+        gradients.clamp_gradients(self._groups, gradients.ids(params), clip_value)
 
-    def grads_in_memory(self):
-        """Gradient shards readable and writable (``.grad``) for the block: under NVMe offload they wait
-        on disk between backward and the step, so this loads them (see ``states_in_memory``)."""
-        nvme = self.offload is not None and self.offload.nvme
-        return self.states_in_memory() if nvme else nullcontext()
+    def unscale_gradients_(self, inverse_scale: float, params=None) -> bool:
+        """Multiply the gradients by ``inverse_scale``; True when any rank holds a non-finite gradient."""
+        return gradients.unscale_gradients_(
+            self._groups, gradients.ids(params), inverse_scale, self.comm, self._buffer_count
+        )
 
     # -- full parameters on demand ----------------------------------------------------------------
 
@@ -277,14 +329,14 @@ class Zero3Engine:
     # -- full state dicts ---------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``module.state_dict()`` with full parameters in the master dtype (a collective; holds a full copy)."""
+        """``module.state_dict()`` with full parameters in the master dtype (a collective; holds a full copy:
+        for models that fit; ``lightning_zero3.save_full_weights`` streams them to a file instead)."""
         own = self.module.state_dict(keep_vars=True)  # keep_vars: no op touches the released parameters
         full: dict[int, torch.Tensor] = {}
         for runtime in self.runtimes:
-            with self._groups_in_memory([runtime.group], write_back=False):
-                master = runtime.group.gather_master()
-            for slot in runtime.group.slots:
-                full[id(slot.param)] = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
+            with runtime.group.gathered_master() as master:
+                for slot in runtime.group.slots:
+                    full[id(slot.param)] = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
         return {name: full[id(v)] if id(v) in full else v.detach().clone() for name, v in own.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -313,14 +365,30 @@ class Zero3Engine:
             if runtime.group.gathered:
                 runtime.group.gather(force=True)
 
+    def group_of(self, shard_param: nn.Parameter) -> tuple[FlatGroup, ParamSlot]:
+        """The group and slot of a shard parameter (what the optimizer steps)."""
+        return self._slot_of_shard[id(shard_param)]
+
     # -- accounting -------------------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds, by category, plus the peak of gathered (full) parameter bytes."""
+        """Bytes this rank holds now, by category of the byte ledger (``memory.py``), and peaks since the
+        engine was created (its ``setup``), through every phase of the run until now: initialisation,
+        training steps, evaluation, checkpoint save and load, teardown. ``peak_total`` is the highest sum of
+        the in-memory categories at any moment; ``peak_<category>`` the highest of each."""
+        self.note_optimizer_state()
         report = dict(self.ledger.held)
-        report["optimizer_state"] = optimizer_state_bytes(self.optimizers)
         report["peak_gathered_params"] = self.ledger.peak_gathered
+        report["peak_total"] = self.ledger.peak_total
+        for category, peak in self.ledger.peak.items():
+            if category != GATHERED_PARAMS:
+                report[f"peak_{category}"] = peak
         return report
+
+    def gathered_resident_bytes(self) -> int:
+        """Bytes of gathered (full) parameter buffers that are really in memory right now, asked of the
+        kernel (a measurement to check the ledger's ``gathered_params`` against)."""
+        return sum(resident_bytes(rt.group.full) for rt in self.runtimes if not rt.group.persistent)
 
     def unit_sizes(self) -> dict[str, int]:
         """Full (gathered) bytes of every unit (the root included), by unit name."""
@@ -331,11 +399,19 @@ class Zero3Engine:
     def gathered_bytes(self) -> int:
         return self.ledger.held[GATHERED_PARAMS]
 
+    def trim(self) -> None:
+        """Hand idle staging buffers back to the kernel (between phases: after ``fit``, before evaluation)."""
+        self.pool.trim()
+        if self.offload is not None:
+            self.offload.settle()
+            self.offload.host.trim()
+
     # -- teardown ---------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Remove every hook; the module gets ordinary full parameters again and each optimizer steps
-        them with its full state, as if it had never been sharded (a collective)."""
+        them with its full state, as if it had never been sharded (a collective). Needs the full model and
+        its optimizer state in memory on every rank: for models that fit."""
         for handle in self._step_handles:
             handle.remove()
         self.hooks.remove()
@@ -345,8 +421,7 @@ class Zero3Engine:
             restore_flags(step.optimizer.param_groups, flags)
         self._offloaded_steps = []
         for runtime in self.runtimes:
-            with self._groups_in_memory([runtime.group], write_back=False):
-                runtime.group.unshard()
+            runtime.group.unshard()
         for optimizer, state in zip(self.optimizers, full_states):
             for group in optimizer.param_groups:
                 group["params"][:] = [self._slot_of_shard[id(p)][1].param for p in group["params"]]
@@ -355,9 +430,11 @@ class Zero3Engine:
         for slot in self.slots.values():
             if hasattr(slot.param, _ENGINE_ATTR):
                 delattr(slot.param, _ENGINE_ATTR)
+        _ENGINES.pop(self.module, None)
         self.slots = {}
         self.optimizers = []
         self.release_offload()
+        self.pool.trim()
 
     def release_offload(self) -> None:
         """Remove the swap files and stop the I/O threads (local; also safe after a failure)."""

@@ -9,12 +9,12 @@ halve on overflow, double after ``growth_interval`` clean steps.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-import torch.distributed as dist
 
-from .comm import Communicator
+if TYPE_CHECKING:
+    from .engine import Zero3Engine
 
 
 class ShardedLossScaler:
@@ -40,17 +40,10 @@ class ShardedLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale_and_check(self, params: Iterable[torch.Tensor], comm: Communicator) -> bool:
-        """Divide the gradients by the scale; True when any rank found a non-finite gradient."""
-        grads = [p.grad for p in params if p.grad is not None]
-        found = torch.zeros(1, device=comm.device)  # offloaded gradients sit on the host
-        inverse = 1.0 / self.scale
-        for grad in grads:
-            grad.mul_(inverse)
-            if grad.numel() and not torch.isfinite(grad).all():
-                found.fill_(1.0)
-        comm.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item())
+    def unscale_and_check(self, engine: "Zero3Engine", params: Iterable[torch.Tensor]) -> bool:
+        """Divide the gradients of ``params`` (shard parameters) by the scale; True when any rank found a
+        non-finite gradient (wherever the gradients live, see ``gradients.py``)."""
+        return engine.unscale_gradients_(1.0 / self.scale, params)
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

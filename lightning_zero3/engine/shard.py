@@ -6,19 +6,22 @@ Layout of a group of parameters p_0 .. p_k (numel n_i) on N ranks::
     shard = full[rank * S : (rank + 1) * S]       what this rank keeps between uses
 
 Communication is flat (one all-gather, one reduce-scatter per group), while the optimizer sees
-per-parameter *shard parameters*: ``nn.Parameter`` views into ``shard`` covering the part of each user
+per-parameter *shard parameters*: ``nn.Parameter`` views into the *master* covering the part of each user
 parameter that this rank owns (possibly empty). Parameter groups, weight-decay splits and frozen
 parameters therefore work unchanged over the shards.
 
-The user's parameters become views into ``full`` (see [Note: freeing by storage resize] in memory.py).
-Under offload the shard parameters view a *master* kept by the group's ``GroupStore`` in host memory or
-on NVMe, and ``shard`` is only the device-side source of all-gathers (see ``offload/tiers.py``).
+Words used below: the *master* is what the shard parameters view and the optimizer steps (``shard``
+itself without offload); ``shard`` is the device-side source of this rank's all-gathers; ``full`` is the
+gathered buffer the user's parameters view (see [Note: releasing gathered buffers] in memory.py). Under
+offload the master lives in a ``GroupStore`` (host memory or NVMe) and the all-gather source is refilled
+by a ``ParamSource``; the group hands both the views they need and then only calls them.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,16 +32,18 @@ from .memory import (
     GRAD_SHARDS,
     PARAM_SHARDS,
     PERSISTENT_PARAMS,
+    BufferPool,
     ByteLedger,
-    free_storage,
     new_buffer,
-    restore_storage,
+    reclaim,
+    releasable_buffer,
+    release,
 )
 from .released import mark_gathered, mark_released
 
 if TYPE_CHECKING:
     from .materialize import Materializer
-    from .offload import Offload
+    from .offload import Offload, ParamSource, GroupStore
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,13 @@ class ParamSlot:
     original_class: type
     offset: int
     numel: int
-    shard_param: nn.Parameter  # this rank's piece of ``param``, a view into the group's shard
-    lo: int  # the piece's position inside ``shard``
+    shard_param: nn.Parameter  # this rank's piece of ``param``, a view into the group's master
+    lo: int  # the piece's position inside the shard
     hi: int
+
+    def piece_start(self, rank: int, shard_numel: int) -> int:
+        """Where this rank's piece starts inside the flattened parameter."""
+        return rank * shard_numel + self.lo - self.offset
 
 
 class FlatGroup:
@@ -74,6 +83,7 @@ class FlatGroup:
         named_params: list[tuple[str, nn.Parameter]],
         comm: Communicator,
         ledger: ByteLedger,
+        pool: BufferPool,
         device: torch.device,
         persistent: bool = False,
         sync_from_rank0: bool = True,
@@ -92,6 +102,7 @@ class FlatGroup:
         self.name = name
         self.comm = comm
         self.ledger = ledger
+        self.pool = pool  # staging buffers: coalesced gathers, compute-dtype sources, full-weight exports
         self.persistent = persistent
         self.dtype = own_dtypes.pop()  # the master dtype
         self.compute_dtype = dtypes.compute or self.dtype
@@ -100,15 +111,19 @@ class FlatGroup:
         total = sum(p.numel() for _, p in named_params)
         self.shard_numel = -(-total // world)  # ceil division
         self.numel = total
-        self.shard = new_buffer(self.shard_numel, self.dtype, device)
+        self.shard = releasable_buffer(self.shard_numel, self.dtype, device)
+        self.ledger.add(PARAM_SHARDS, self._nbytes(self.shard))
         self.trainable = any(p.requires_grad for _, p in named_params)
         # under offload the gradient shard lives with the master, in the store
         self.grad_shard = new_buffer(self.shard_numel, self.dtype, device) if self.trainable and not offload else None
+        if self.grad_shard is not None:
+            self.ledger.add(GRAD_SHARDS, self._nbytes(self.grad_shard))
 
         with torch.no_grad():
             # One buffer of the full (padded) size is alive per group while it is built; it becomes ``full``
             # when the compute dtype is the master dtype, so building a unit costs one unit's bytes.
-            master = new_buffer(self.shard_numel * world, self.dtype, device)
+            master = releasable_buffer(self.shard_numel * world, self.dtype, device)
+            self.ledger.add(self._full_category, self._nbytes(master))
             if materializer is not None and any(p.is_meta for _, p in named_params):
                 # built straight from the meta device: see [Note: sharded initialisation] in materialize.py
                 materializer.fill(named_params, master[:total])
@@ -125,10 +140,12 @@ class FlatGroup:
             if self.compute_dtype == self.dtype:
                 self.full = master
             else:
-                self.full = new_buffer(master.numel(), self.compute_dtype, device)
+                self.full = releasable_buffer(master.numel(), self.compute_dtype, device)
+                self.ledger.add(self._full_category, self._nbytes(self.full))
                 self.full.copy_(master)
+                self.ledger.remove(self._full_category, self._nbytes(master))
             del master
-        self.store = offload.new_store(self.shard, self.trainable) if offload is not None else None
+        self.store: Optional["GroupStore"] = offload.new_store(self.shard, self.trainable) if offload is not None else None
 
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -142,15 +159,15 @@ class FlatGroup:
             self.slots.append(ParamSlot(name_, p, p.__class__, offset, p.numel(), shard_param, lo, hi))
             offset += p.numel()
 
-        self.ledger.add(PARAM_SHARDS, self._nbytes(self.shard))
-        if self.grad_shard is not None:
-            self.ledger.add(GRAD_SHARDS, self._nbytes(self.grad_shard))
         self.gathered = True
         self.pending: Optional[Pending] = None  # an all-gather in flight into ``full``
         self._source: Optional[torch.Tensor] = None  # what it reads, kept alive until it completes
-        self.ledger.add(self._full_category, self._nbytes(self.full))
-        if self.store is not None:
-            self.store.bind(self)
+        self.source: Optional["ParamSource"] = None
+        if offload is not None and self.store is not None:
+            from .offload import ShardView
+
+            self.store.bind([ShardView(s.shard_param, s.lo, s.hi, s.param.requires_grad) for s in self.slots])
+            self.source = offload.new_source(self.store, self.shard)
 
     @property
     def master(self) -> Optional[torch.Tensor]:
@@ -174,27 +191,31 @@ class FlatGroup:
         self._begin_fill()
         with torch.no_grad():
             shard = self.gather_input()
-            self._source = shard if self.compute_dtype == self.dtype else shard.to(self.compute_dtype)
+            if self.compute_dtype == self.dtype:
+                self._source = shard
+            else:
+                self._source = self.pool.take(shard.numel(), self.compute_dtype, shard.device)
+                self._source.copy_(shard)
             self.pending = self.comm.all_gather(self.full, self._source, async_op=True)
 
     def gather_input(self) -> torch.Tensor:
         """The device shard, valid for an all-gather (under offload: refilled from its tier)."""
-        return self.shard if self.store is None else self.store.fill(self.shard)
+        return self.shard if self.source is None else self.source.fill()
 
     def prefetch_input(self) -> None:
         """Start reading the parameter shard from its tier ahead of use (NVMe parameters)."""
-        if self.store is not None:
-            self.store.prefetch_params()
+        if self.source is not None:
+            self.source.prefetch()
 
-    def _gathered(self) -> None:
-        """An all-gather into ``full`` completed: the device shard may go back to its tier."""
-        if self.store is not None:
-            self.store.unfill(self.shard)
+    def _after_gather(self) -> None:
+        """An all-gather read the device shard: under offload it may go back to its tier."""
+        if self.source is not None:
+            self.source.after_gather()
 
     def _begin_fill(self) -> None:
         """Give ``full`` its memory back before a gather writes into it."""
         if not self.gathered:
-            restore_storage(self.full)
+            reclaim(self.full)
             self.ledger.add(self._full_category, self._nbytes(self.full))
 
     def gather(self, force: bool = False) -> None:
@@ -205,23 +226,44 @@ class FlatGroup:
                 return
             self.start_gather(force)
         self.pending.wait()
+        if self._source is not None and self._source is not self.shard and not isinstance(self.pending, _Then):
+            self.pool.give(self._source)
         self.pending = self._source = None
-        self._gathered()
+        self._after_gather()
         for slot in self.slots:
             mark_gathered(slot.param, slot.original_class)
         self.gathered = True
 
-    def gather_master(self) -> torch.Tensor:
-        """A new flat tensor with the full parameters in the master dtype (for checkpoints, teardown)."""
-        flat = torch.empty(self.full.numel(), dtype=self.dtype, device=self.shard.device)
-        with torch.no_grad():
-            self.comm.all_gather(flat, self._master_on_device("gathering full weights"))
-        return flat
-
-    def _master_on_device(self, what: str) -> torch.Tensor:
+    def master_for_reading(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This rank's master shard, readable (for exports and checkpoints): ``(tensor, pooled)``, where
+        ``pooled`` is a host buffer the caller gives back to ``offload.host`` (NVMe, not resident)."""
         if self.store is None:
-            return self.shard
-        return self.store.require_resident(what).to(self.shard.device)
+            return self.shard, None
+        if self.store.master is not None:
+            return self.store.master, None
+        from .offload.store import MASTER
+
+        future, buffer = self.store.read_file(MASTER)
+        self.store.offload.io.wait(future)
+        return buffer, buffer
+
+    @contextmanager
+    def gathered_master(self) -> Iterator[torch.Tensor]:
+        """The full parameters in the master dtype, in a staging buffer for the duration of the block
+        (a collective: all ranks; reads this rank's master from its tier without making it resident)."""
+        master, pooled = self.master_for_reading()
+        flat = self.pool.take(self.full.numel(), self.dtype, self.shard.device)
+        try:
+            with torch.no_grad():
+                self.comm.all_gather(flat, master.to(self.shard.device))
+            if pooled is not None:
+                self.store.offload.host.give(pooled)
+                pooled = None
+            yield flat
+        finally:
+            if pooled is not None:
+                self.store.offload.host.give(pooled)
+            self.pool.give(flat)
 
     def load_slice(self, slot: ParamSlot, full_value: torch.Tensor) -> None:
         """Set this rank's piece of ``slot``'s parameter from the parameter's full value."""
@@ -230,7 +272,7 @@ class FlatGroup:
                 f"zero3: the value for {slot.name} has {full_value.numel()} elements, the parameter "
                 f"{tuple(slot.param.shape)} has {slot.numel}; the state dict was written for another model."
             )
-        start = self.comm.rank * self.shard_numel + slot.lo - slot.offset
+        start = slot.piece_start(self.comm.rank, self.shard_numel)
         master = self.master if self.store is None else self.store.require_resident("loading weights")
         with torch.no_grad():
             piece = full_value.reshape(-1)[start : start + slot.hi - slot.lo]
@@ -246,7 +288,7 @@ class FlatGroup:
             return
         for slot in self.slots:
             mark_released(slot.param, slot.original_class)
-        free_storage(self.full)
+        release(self.full)
         self.ledger.remove(self._full_category, self._nbytes(self.full))
         self.gathered = False
 
@@ -266,14 +308,14 @@ class FlatGroup:
 
     def unshard(self) -> None:
         """Turn the parameters back into ordinary, independent full tensors in the master dtype (at teardown)."""
-        master = self.gather_master()
-        for slot in self.slots:
-            mark_gathered(slot.param, slot.original_class)
-            slot.param.data = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
+        with self.gathered_master() as master:
+            for slot in self.slots:
+                mark_gathered(slot.param, slot.original_class)
+                slot.param.data = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
         if self.gathered:
-            free_storage(self.full)
+            release(self.full)
             self.ledger.remove(self._full_category, self._nbytes(self.full))
-        if self.store is None or self.store.offload.param_tier is None:
+        if self.source is None or self.source.filled:
             self.ledger.remove(PARAM_SHARDS, self._nbytes(self.shard))
         if self.grad_shard is not None:
             self.ledger.remove(GRAD_SHARDS, self._nbytes(self.grad_shard))
@@ -311,20 +353,27 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int) -> None:
 
 
 def _start_coalesced(groups: list[FlatGroup]) -> None:
-    comm, world = groups[0].comm, groups[0].comm.world_size
+    comm, world, pool = groups[0].comm, groups[0].comm.world_size, groups[0].pool
     widths = [g.shard_numel for g in groups]
+    dtype, device = groups[0].compute_dtype, groups[0].shard.device
     with torch.no_grad():
-        source = torch.cat([g.gather_input().to(g.compute_dtype) for g in groups])
-        for group in groups:
-            group._gathered()  # the concatenated copy is what the collective reads
-        landing = torch.empty(world, sum(widths), dtype=source.dtype, device=source.device)
-        pending = comm.all_gather(landing.view(-1), source, async_op=True)
+        source = pool.take(sum(widths), dtype, device)
+        offset = 0
+        for group, width in zip(groups, widths):
+            source[offset : offset + width].copy_(group.gather_input())
+            group._after_gather()  # the concatenated copy is what the collective reads
+            offset += width
+        landing = pool.take(world * sum(widths), dtype, device)
+        pending = comm.all_gather(landing, source, async_op=True)
 
     def scatter_columns() -> None:
         offset = 0
+        rows = landing.view(world, sum(widths))
         for group, width in zip(groups, widths):
-            group.full.view(world, width).copy_(landing[:, offset : offset + width])
+            group.full.view(world, width).copy_(rows[:, offset : offset + width])
             offset += width
+        pool.give(landing)
+        pool.give(source)
 
     shared = _Then(pending, scatter_columns)
     for group in groups:

@@ -23,7 +23,9 @@ from typing import Callable, Optional
 import torch
 
 from ..optim import OptimizerShardingError
-from .tiers import GroupStore
+from .source import ParamSource
+from .store import GroupStore
+from .streaming import pipelined
 
 _FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -49,7 +51,12 @@ class PipelinedStep:
     """``optimizer.step`` under offload (see [Note: pipelined step])."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, stores: list[GroupStore], buffer_count: int, after: Callable[[], None]
+        self,
+        optimizer: torch.optim.Optimizer,
+        stores: list[GroupStore],
+        sources: list[ParamSource],
+        buffer_count: int,
+        after: Callable[[], None],
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise OptimizerShardingError(
@@ -58,6 +65,7 @@ class PipelinedStep:
             )
         self.optimizer = optimizer
         self.stores = stores
+        self.source_of = {id(source.store): source for source in sources}
         self.buffer_count = buffer_count
         self.after = after
         self.original = optimizer.__dict__.get("step")  # an instance wrapper (LR scheduler), if any
@@ -77,34 +85,38 @@ class PipelinedStep:
             with torch.enable_grad():
                 loss = closure()
         stores = [s for s in self.stores if s.has_gradient()]
-        offload = stores[0].offload if stores else None
-        if offload is not None and not offload.nvme:  # host memory: nothing to overlap, one call steps all
+        if not stores:
+            self.after()
+            return loss
+        offload = stores[0].offload
+        if not offload.nvme:  # host memory: nothing to overlap, one call steps all
             for store in stores:
                 store.attach()
             self._step_only(stores, kwargs)
             for store in stores:
-                store.publish()
+                self.source_of[id(store)].publish()
             self.after()
             return loss
         ahead = max(1, self.buffer_count // 2)  # groups read ahead
         writing = max(0, self.buffer_count - ahead - 1)  # groups whose writes may still drain
-        for store in stores[:ahead]:
+
+        def start(store: GroupStore) -> None:
+            offload.throttle(writing)
             store.start_load()
-        for i, store in enumerate(stores):
+
+        def finish(store: GroupStore) -> None:
             store.attach()
-            if i + ahead < len(stores):
-                offload.throttle(writing)
-                stores[i + ahead].start_load()
             self._step_only([store], kwargs)
-            store.publish()
-            store.store()
-        if offload is not None:
-            offload.throttle(0)
+            self.source_of[id(store)].publish()
+            store.evict()
+
+        pipelined(stores, ahead, start, finish)
+        offload.throttle(0)
         self.after()
         return loss
 
     def _step_only(self, stores: list[GroupStore], kwargs: dict) -> None:
-        wanted = {id(slot.shard_param) for store in stores for slot in store.group.slots}
+        wanted = {id(view.param) for store in stores for view in store.views}
         groups = self.optimizer.param_groups
         full = [group["params"] for group in groups]
         try:

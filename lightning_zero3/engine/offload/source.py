@@ -1,0 +1,110 @@
+"""The device-side source of a group's all-gathers under offload, per parameter tier.
+
+The optimizer steps the master in the optimizer tier (``store.py``); the all-gather needs this rank's
+shard on the training device. ``offload_params`` says where that copy lives between uses:
+
+- ``None``: on the device, refreshed from the master after every step (``publish``);
+- ``"cpu"``: freed on the device between uses and uploaded from host memory just before the all-gather
+  (from the master itself in the host tier, or from a host copy of it when the master is on NVMe);
+- ``"nvme"``: freed on the device; read from the master's swap file ahead of use (``prefetch``, following
+  the recorded execution order) and uploaded just before the all-gather.
+
+Every upload reads a host buffer on the copy engine (see [Note: device-to-host copies are events] in
+store.py): its event is handed to the store (``note_reader``), which waits for it before the next step
+writes the master.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Optional
+
+import torch
+
+from ..memory import OFFLOAD_HOST, PARAM_SHARDS, ByteLedger, host_buffer, reclaim, release
+from .store import MASTER, GroupStore
+
+
+class ParamSource:
+    def __init__(self, store: GroupStore, shard: torch.Tensor, ledger: ByteLedger) -> None:
+        self.store = store
+        self.offload = store.offload
+        self.tier = self.offload.param_tier
+        self.shard = shard
+        self.ledger = ledger
+        self.nbytes = shard.numel() * shard.element_size()
+        self.host_copy: Optional[torch.Tensor] = None  # the gather source in host memory (nvme master, cpu params)
+        self.pending_read: Optional[tuple[Future, torch.Tensor]] = None  # nvme read-ahead
+        self.publish_event = None  # master -> device shard (tier None), waited for by the all-gather
+        self.filled = True  # the device shard holds valid values (always so for tier None)
+        if self.tier == "cpu" and self.offload.nvme:
+            self.host_copy = host_buffer(store.numel, store.dtype)
+            self.ledger.add(OFFLOAD_HOST, self.nbytes)
+            self.host_copy.copy_(shard)  # the initial master values (the store may have swapped them out)
+        if self.tier is not None:
+            self._free()
+
+    def _free(self) -> None:
+        release(self.shard)
+        self.ledger.remove(PARAM_SHARDS, self.nbytes)
+        self.filled = False
+
+    def publish(self) -> None:
+        """After the (resident) master changed: refresh what all-gathers read from."""
+        if self.tier is None:
+            self.publish_event = self.offload.copies.copy(self.shard, self.store.master)
+            self.store.note_reader(self.publish_event)
+        elif self.host_copy is not None:
+            self.host_copy.copy_(self.store.master)
+
+    def prefetch(self) -> None:
+        """Read the parameter shard from its swap file ahead of the all-gather that needs it."""
+        if self.tier != "nvme" or self.store.resident or self.pending_read is not None:
+            return
+        self.pending_read = self.store.read_file(MASTER)
+
+    def fill(self) -> torch.Tensor:
+        """Make the device shard valid for an all-gather; returns it."""
+        copies = self.offload.copies
+        if self.tier is None:
+            copies.wait_on_device(self.publish_event)
+            return self.shard
+        if not self.filled:
+            reclaim(self.shard)
+            self.ledger.add(PARAM_SHARDS, self.nbytes)
+            self.filled = True
+        if self.store.resident or self.tier == "cpu":
+            source = self.store.master if self.store.resident else self.host_copy
+            event = copies.copy(self.shard, source)
+            copies.wait_on_device(event)
+            self.store.note_reader(event)  # the next step must not write the master under the copy
+            return self.shard
+        self.prefetch()
+        assert self.pending_read is not None
+        future, buffer = self.pending_read
+        self.pending_read = None
+        self.offload.io.wait(future)
+        event = copies.copy(self.shard, buffer)
+        copies.wait_on_device(event)
+        copies.wait_on_host(event)  # the buffer goes back to the pool: the copy must have read it
+        self.offload.host.give(buffer)
+        return self.shard
+
+    def after_gather(self) -> None:
+        """After the all-gather read the device shard: free it again (parameters offloaded)."""
+        if self.tier is not None and self.filled:
+            self._free()
+
+    def drain(self) -> None:
+        """Wait for a read-ahead in flight and give its buffer back."""
+        if self.pending_read is not None:
+            future, buffer = self.pending_read
+            self.offload.io.wait(future)
+            self.offload.host.give(buffer)
+            self.pending_read = None
+
+    def close(self) -> None:
+        self.drain()
+        if self.host_copy is not None:
+            self.ledger.remove(OFFLOAD_HOST, self.nbytes)
+            self.host_copy = None
