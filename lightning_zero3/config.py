@@ -84,8 +84,9 @@ class Zero3Config:
     uses, on this job's process group, and use the fastest (see ``engine/comm.py``)."""
 
     cpu_threads: Optional[int] = None
-    """Compute threads per rank on CPU (``torch.set_num_threads``). None: the machine's cores divided by
-    the ranks on this node, so ranks do not oversubscribe the cores."""
+    """Compute threads per rank on CPU (``torch.set_num_threads``). None: the cores this rank may run on
+    divided by the ranks of the job that share them on this machine (however many nodes the launcher
+    says it has; see ``cpu_threads.py``), at least one, so ranks do not oversubscribe the cores."""
 
     reduce_dtype: Optional[str] = None
     """Dtype gradients are reduce-scattered in: ``"fp32"``, ``"bf16"`` or ``"fp16"``. ``None``: fp32 under

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
@@ -41,18 +40,13 @@ import lightning.pytorch as pl
 
 from .checkpointing import CheckpointingMixin
 from .config import Zero3Config, default_nvme_path
+from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .knobs import DEFAULTS, build_config, knob_docstring
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine
 from .engine.materialize import move_real_tensors
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 
 log = logging.getLogger(__name__)
-
-
-def cpu_threads_per_rank(ranks_on_node: int) -> int:
-    """The cores this process may use, shared evenly by the ranks on this node."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, ranks_on_node))
 
 
 def _init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
@@ -145,6 +139,8 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         self._process_group_backend: Optional[str] = self.config.process_group_backend
         self._engine: Optional[Zero3Engine] = None
         self._failed = False
+        # ranks of this job on this rank's cores, itself included (CPU only, set in setup_environment)
+        self.ranks_sharing_cores: Optional[int] = None
 
     # -- what Lightning looks up on a distributed strategy -----------------------------------------
 
@@ -207,8 +203,6 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.root_device.type == "cpu":
-            torch.set_num_threads(self.config.cpu_threads or cpu_threads_per_rank(self.num_processes))
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -219,6 +213,11 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self.config.timeout, device_id=device_id
         )
+        if self.root_device.type == "cpu":
+            # needs the process group: see [Note: the CPU thread budget] in cpu_threads.py
+            mine, everyone = gather_core_sets()
+            self.ranks_sharing_cores = ranks_sharing(mine, everyone)
+            torch.set_num_threads(self.config.cpu_threads or threads_per_rank(mine, self.ranks_sharing_cores))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
