@@ -11,8 +11,11 @@ from .engine import (
     OptimizerShardingError,
     ParameterNotGatheredError,
     Zero3Engine,
+    engine_of,
     gathered_parameters,
+    unshard,
 )
+from .checkpoint.export import save_full_weights
 from .precision import Zero3Precision
 from .registration import register_strategies
 from .strategy import Zero3Strategy
@@ -32,5 +35,8 @@ __all__ = [
     "Zero3Engine",
     "Zero3Precision",
     "Zero3Strategy",
+    "engine_of",
     "gathered_parameters",
+    "save_full_weights",
+    "unshard",
 ]

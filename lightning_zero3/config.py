@@ -103,6 +103,15 @@ class Zero3Config:
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
     """How long a collective may wait for the other ranks before every rank fails with an error."""
 
+    unshard_after_fit: bool = False
+    """After ``trainer.fit`` the module stays sharded and attached to its engine, as with torch FSDP and
+    DeepSpeed: ``validate`` / ``test`` / ``predict``, a later ``fit`` (same Trainer or a new one),
+    ``trainer.save_checkpoint`` and forward calls on every rank run on the trained shards, and no rank
+    ever holds the whole model or its optimizer state (``lightning_zero3.save_full_weights`` streams full
+    weights to a file). True: when ``fit`` ends, the full model is gathered on every rank, the module holds
+    ordinary full weights again and the optimizer its full, unsharded state, as after DDP (for models that
+    fit in one process's memory; ``lightning_zero3.unshard(module)`` does the same at any time)."""
+
     checkpoint_format: str = "sharded"
     """What ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write. ``"sharded"``: a directory in which each
     rank writes its own shards with ``torch.distributed.checkpoint`` (nothing is gathered; loads on any
@@ -151,7 +160,7 @@ class Zero3Config:
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, minimum=1)
-        for name in ("overlap_comm", "tune_collectives"):
+        for name in ("overlap_comm", "tune_collectives", "unshard_after_fit"):
             if not isinstance(getattr(self, name), bool):
                 raise Zero3ConfigError(f"zero3: `{name}` must be True or False, got {getattr(self, name)!r}.")
         _check_unit_modules(self.unit_modules)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
@@ -39,10 +41,11 @@ from torch import Tensor, nn
 import lightning.pytorch as pl
 
 from .checkpointing import CheckpointingMixin
-from .config import Zero3Config, default_nvme_path
+from .config import Zero3Config, Zero3ConfigError, default_nvme_path
+from .checkpoint.export import save_full_weights
 from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .knobs import DEFAULTS, build_config, knob_docstring
-from .engine import Communicator, NoTrainableParametersError, Zero3Engine
+from .engine import Communicator, NoTrainableParametersError, Zero3Engine, engine_of
 from .engine.materialize import move_real_tensors
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 
@@ -115,6 +118,7 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
             DEFAULTS.process_group_backend
         ),
         timeout: timedelta = DEFAULTS.timeout,
+        unshard_after_fit: bool = DEFAULTS.unshard_after_fit,
         checkpoint_format: Literal["sharded", "full"] = DEFAULTS.checkpoint_format,
         offload_optimizer: Optional[Literal["cpu", "nvme", "none", "device"]] = DEFAULTS.offload_optimizer,
         offload_params: Optional[Literal["cpu", "nvme", "none", "device"]] = DEFAULTS.offload_params,
@@ -241,19 +245,43 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
                 "`trainer.test` or `trainer.predict` instead of `trainer.fit`."
             )
         precision = self.precision_plugin
-        precision.convert_module(module)
-        self.model_to_device()
         dtypes = precision.dtype_policy(self.config.reduce_dtype)
-        engine = Zero3Engine(module, self.config, Communicator(), self.root_device, dtypes, _init_hook(module))
+        engine = engine_of(module)
+        if engine is None:
+            precision.convert_module(module)
+            self.model_to_device()
+            engine = Zero3Engine(module, self.config, Communicator(), self.root_device, dtypes, _init_hook(module))
+        else:
+            self._reuse(engine, dtypes)
         self._engine = engine
         self.model = _RootCall(module)
         precision.engine = engine
         precision.device_type = self.root_device.type
         if fitting:
+            engine.detach_optimizers()  # an earlier fit's optimizers (and state) give way to this one's
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 engine.shard_optimizer(optimizer)
         self.setup_precision_plugin()
+
+    def _reuse(self, engine: Zero3Engine, dtypes: Any) -> None:
+        """The module is sharded already (an earlier fit, validate, ... ran): run on the same shards.
+
+        [Note: sharded for the module's whole life]
+        As with torch FSDP and DeepSpeed, the engine stays attached to the module when a Trainer call
+        ends (see ``teardown``): evaluation after ``fit``, a second ``fit`` and checkpoints then run on the
+        trained shards, with nothing rebuilt, gathered or broadcast. Only the settings that decide the
+        layout of the shards must stay the same; scheduling settings (prefetch, buckets, overlap) follow
+        the new Trainer's strategy."""
+        problems = engine.reuse_problems(self.config, dtypes, self.root_device, self.world_size)
+        if problems:
+            raise Zero3ConfigError(
+                "zero3: this model is already sharded by an earlier Trainer, with other settings than this one's: "
+                + "; ".join(problems)
+                + ". Use the same settings, or call `lightning_zero3.unshard(model)` on every rank first (it "
+                "gathers the full model on every rank) so that this Trainer shards it anew."
+            )
+        engine.reconfigure(self.config)
 
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
@@ -317,26 +345,50 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         self._failed = True
 
     def teardown(self) -> None:
-        engine, self._engine = self._engine, None
-        if self._precision_plugin is not None:
-            self._precision_plugin.engine = None
+        engine = self._engine
         if isinstance(self.model, _RootCall):
             self.model = self.lightning_module
-        if engine is None or not self._failed:
-            if engine is not None:
-                engine.close()  # a collective: the LightningModule holds ordinary full weights again
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if engine is not None and self._failed:
+            # After an exception other ranks may be gone, so no collective may run: unhook and leave the
+            # weights sharded. The base teardown would move the module to CPU, reading every (released)
+            # weight and hiding the real error behind ours, so it runs with the module detached.
+            self._engine = None
+            if self._precision_plugin is not None:
+                self._precision_plugin.engine = None
+            engine.hooks.remove()
+            engine.release_offload()  # swap files go; no collective involved
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
+        if engine is not None and fitting and self.config.unshard_after_fit:
+            self._engine = None
+            engine.close()  # a collective: the LightningModule holds ordinary full weights again
             super().teardown()
             return
-        # After an exception other ranks may be gone, so no collective may run: unhook and leave the
-        # weights sharded. The base teardown would move the module to CPU, reading every (released)
-        # weight and hiding the real error behind ours, so it runs with the module detached.
-        engine.hooks.remove()
-        engine.release_offload()  # swap files go; no collective involved
-        module, self._lightning_module = self._lightning_module, None
-        try:
+        if engine is None:
             super().teardown()
-        finally:
-            self._lightning_module = module
+            return
+        # [Note: sharded for the module's whole life] in ``_reuse``: the engine stays attached, the
+        # module and its optimizer stay sharded where they are (on the device), as torch FSDP leaves them.
+        engine.trim()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # -- full weights, on request ------------------------------------------------------------------
+
+    def save_full_weights(self, path: Union[str, "os.PathLike[str]"], prefix: str = "", fmt: Optional[str] = None) -> Path:
+        """Write the full weights of the LightningModule to ``path`` (``.pt`` or ``.safetensors``), streamed
+        unit by unit (a collective: call it on every rank; rank 0 writes). See ``save_full_weights``."""
+        assert self.lightning_module is not None
+        return save_full_weights(self.lightning_module, path, prefix=prefix, fmt=fmt)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

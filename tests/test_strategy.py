@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero3
+from gpt import GPT, GPTConfig
 from lightning_zero3 import UnsupportedPrecisionError, Zero3Config, Zero3ConfigError, Zero3Precision, Zero3Strategy
 
 SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"
@@ -109,8 +110,14 @@ def test_pytorch_lightning_registry_too():
     assert lightning_zero3.Zero3Strategy is not type(trainer.strategy)  # the pytorch_lightning flavour
 
 
-def test_fit_validate_test_predict_and_manual_optimization(tmp_path):
-    ranks = run_flows("flows", tmp_path)
+@pytest.fixture(scope="module")
+def flows(tmp_path_factory) -> tuple[list[dict], Path]:
+    out = tmp_path_factory.mktemp("flows")
+    return run_flows("flows", out), out
+
+
+def test_fit_validate_test_predict_and_manual_optimization(flows):
+    ranks, _ = flows
     seen = [set(r["seen"]) for r in ranks]
     assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(32))  # DistributedSampler injected
     for r in ranks:
@@ -120,8 +127,29 @@ def test_fit_validate_test_predict_and_manual_optimization(tmp_path):
         assert r["test"] == pytest.approx(ranks[0]["test"])
         assert r["predict_shapes"] == [[4, 16]] * 4
         assert r["block_sum"] == ranks[0]["block_sum"] != 0.0  # gathered_parameters in a hook
-        assert r["weights_after"] == ranks[0]["weights_after"]  # full weights again after teardown
+        assert r["weights_after"] == ranks[0]["weights_after"]
         assert r["manual"]["zero3"] == pytest.approx(r["manual"]["ddp"], rel=1e-6)
+
+
+def test_after_fit_the_model_stays_sharded_and_every_stage_runs_on_the_trained_shards(flows):
+    ranks, out = flows
+    for r in ranks:
+        # still sharded: the engine is attached, nothing gathered, the optimizer state 1/N of DDP's
+        assert r["engine_kept"] and r["engine_after_evaluation"]
+        assert r["gathered_after_fit"] == 0 and r["gathered_resident_after_fit"] == 0
+        assert 0 < r["optimizer_state_bytes"] <= r["adam_state_bytes_unsharded"] / 2 + 4096
+        # evaluation, a forward outside the Trainer and a second fit give DDP's numbers
+        assert r["validate"] == pytest.approx(r["ddp"]["validate"], rel=1e-5)
+        assert r["forward_outside"] == pytest.approx(r["ddp"]["forward_outside"], rel=1e-5)
+        assert r["second_fit_losses"] == pytest.approx(r["ddp"]["second_fit_losses"], rel=1e-5)
+        assert r["checkpoint_after_fit_is_sharded"]
+    # full weights on request, streamed to one file under the model's own names
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "weights.safetensors")
+    plain = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))  # flows_run's CFG
+    plain.load_state_dict(weights, strict=True)
+    assert plain.blocks[1].fc.weight.tolist() == ranks[0]["fc_weight"]
 
 
 def test_touching_a_sharded_weight_in_a_hook_names_the_remedy(tmp_path):

@@ -1,7 +1,7 @@
 """ZeRO stage 3, Lightning-free. See ``engine.py`` for the entry point and ``../../README.md`` for the picture."""
 
 from .comm import Communicator
-from .engine import NoTrainableParametersError, Zero3Engine, gathered_parameters
+from .engine import NoTrainableParametersError, Zero3Engine, engine_of, gathered_parameters, unshard
 from .optim import OptimizerShardingError
 from .released import ParameterNotGatheredError
 from .schedule import ExecutionOrderError
@@ -13,5 +13,7 @@ __all__ = [
     "OptimizerShardingError",
     "ParameterNotGatheredError",
     "Zero3Engine",
+    "engine_of",
     "gathered_parameters",
+    "unshard",
 ]

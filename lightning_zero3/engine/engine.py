@@ -68,6 +68,7 @@ class Zero3Engine:
         ``reset_parameters()`` and then ``init_fn(module)`` initialise them on rank 0."""
         self.module = module
         self.config = config or Zero3Config()
+        self.dtypes = dtypes
         self.comm = comm or Communicator()
         self.ledger = ByteLedger()
         self.pool = BufferPool(self.ledger)  # staging buffers, see [Note: reused staging buffers] in memory.py
@@ -133,6 +134,35 @@ class Zero3Engine:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._step_handles: list = []
         self._offloaded_steps: list[tuple[PipelinedStep, list[dict]]] = []
+
+    # -- one engine for the module's whole life -------------------------------------------------------
+
+    #: settings that decide how the model is laid out in shards; a later Trainer must keep them
+    LAYOUT = ("unit_modules", "persistence_threshold", "offload_optimizer", "offload_params", "nvme_path")
+
+    def reuse_problems(self, config: Zero3Config, dtypes: DtypePolicy, device: torch.device, world_size: int) -> list[str]:
+        """What keeps this engine from serving a later run with these settings (empty: it can)."""
+        problems = [
+            f"{name}={getattr(config, name)!r} (the model was sharded with {getattr(self.config, name)!r})"
+            for name in self.LAYOUT
+            if getattr(config, name) != getattr(self.config, name)
+        ]
+        if dtypes != self.dtypes:
+            problems.append(f"the precision's dtypes {dtypes} (the model was sharded with {self.dtypes})")
+        if torch.device(device) != self.device:
+            problems.append(f"device {device} (the shards live on {self.device})")
+        if world_size != self.comm.world_size:
+            problems.append(f"{world_size} ranks (the model was sharded over {self.comm.world_size})")
+        return problems
+
+    def reconfigure(self, config: Zero3Config) -> None:
+        """Take the scheduling settings of a later run (prefetch, buckets, overlap); the layout stays."""
+        self.config = config
+        self.schedule.prefetch_numel = config.prefetch_bucket_size
+        self.schedule.max_live_numel = config.max_live_parameters
+        self.schedule.max_reuse_distance = config.max_reuse_distance
+        self.hooks.overlap = config.overlap_comm
+        self.hooks.reduce_bucket_numel = config.reduce_bucket_size
 
     def _start_offload(self) -> Optional[Offload]:
         """The offload tiers, after checking (NVMe) that the swap folder has room for every shard."""
@@ -459,6 +489,15 @@ def _collective_sizes(plan, dtypes: DtypePolicy, world: int) -> set[tuple[int, t
             for used in (dtypes.compute or dtype, dtypes.reduce or dtype):
                 sizes.add((-(-numel // world) * world, used))
     return sizes
+
+
+def unshard(module: nn.Module) -> None:
+    """Turn a module sharded by zero3 back into an ordinary one: full weights on every rank, its optimizers
+    over them with their full state (a collective: call it on every rank; needs the whole model in memory).
+    Nothing happens to a module that is not sharded."""
+    engine = engine_of(module)
+    if engine is not None:
+        engine.close()
 
 
 @contextmanager

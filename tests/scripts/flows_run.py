@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import lightning_zero3  # noqa: E402
 from gpt import GPTConfig, GPTModule, random_tokens  # noqa: E402
+from lightning_zero3.checkpoint import load_trainer_state  # noqa: E402
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 N_SAMPLES = 32
@@ -93,6 +94,7 @@ def trainer(strategy, **kwargs) -> pl.Trainer:
 
 
 OFFLOAD: dict = {}  # offload knobs for every zero3 Trainer (--offload)
+OUT = Path(".")  # the --out folder
 
 
 def zero3():
@@ -112,11 +114,7 @@ def flows() -> dict:
         "block_sum": model.block_sum,
         "sampler": type(t.train_dataloader.sampler).__name__,
     }
-    out["validate"] = t.validate(model, loader, verbose=False)[0]["val_loss"]
-    out["test"] = t.test(model, loader, verbose=False)[0]["test_loss"]
-    predictions = t.predict(model, DataLoader(indexed_data(), batch_size=4))
-    out["predict_shapes"] = [list(p.shape) for p in predictions]
-    out["weights_after"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+    out.update(after_fit(t, model, loader, out))
 
     manual = {}
     for name, strategy in (("zero3", zero3()), ("ddp", "ddp")):
@@ -125,7 +123,55 @@ def flows() -> dict:
         trainer(strategy, max_steps=6).fit(module, DataLoader(indexed_data(), batch_size=4))
         manual[name] = module.losses
     out["manual"] = manual
+    out["ddp"] = after_fit_ddp(loader)
     return out
+
+
+def after_fit(t: pl.Trainer, model: FlowsGPT, loader: DataLoader, out: dict) -> dict:
+    """What a user does once ``fit`` returns, and what stays sharded meanwhile (compared with DDP)."""
+    engine = t.strategy.engine
+    report = engine.memory_report()
+    n_params = sum(p.numel() for p in model.parameters())
+    result = {
+        "engine_kept": lightning_zero3.Zero3Engine is type(engine) and lightning_zero3.engine_of(model) is engine,
+        "optimizer_state_bytes": report["optimizer_state"],
+        "adam_state_bytes_unsharded": 8 * n_params,
+        "gathered_after_fit": report["gathered_params"],
+        "gathered_resident_after_fit": engine.gathered_resident_bytes(),
+        "peak_total": report["peak_total"],
+    }
+    result["validate"] = t.validate(model, loader, verbose=False)[0]["val_loss"]
+    result["test"] = t.test(model, loader, verbose=False)[0]["test_loss"]
+    predictions = t.predict(model, DataLoader(indexed_data(), batch_size=4))
+    result["predict_shapes"] = [list(p.shape) for p in predictions]
+    with torch.no_grad():  # a forward call outside the Trainer, on every rank
+        result["forward_outside"] = model(indexed_data().tensors[0][:2]).double().sum().item()
+    result["engine_after_evaluation"] = t.strategy.engine is engine and lightning_zero3.engine_of(model) is engine
+    t.save_checkpoint(OUT / "after_fit.ckpt")
+    result["checkpoint_after_fit_is_sharded"] = (OUT / "after_fit.ckpt").is_dir()
+    lightning_zero3.save_full_weights(model, OUT / "weights.safetensors", prefix="model.")
+    with lightning_zero3.gathered_parameters(model):
+        result["weights_after"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+        result["fc_weight"] = model.model.blocks[1].fc.weight.detach().clone().tolist()
+    log = LossLog()
+    trainer(zero3(), max_epochs=1, callbacks=[log]).fit(model, loader)  # a further fit, with a new Trainer
+    result["second_fit_losses"] = log.losses
+    return result
+
+
+def after_fit_ddp(loader: DataLoader) -> dict:
+    """The same as ``after_fit`` under DDP, for reference."""
+    pl.seed_everything(0)
+    model = FlowsGPT()
+    t = trainer("ddp", max_epochs=1, limit_val_batches=2)
+    t.fit(model, loader, loader)
+    result = {"validate": t.validate(model, loader, verbose=False)[0]["val_loss"]}
+    with torch.no_grad():
+        result["forward_outside"] = model(indexed_data().tensors[0][:2]).double().sum().item()
+    log = LossLog()
+    trainer("ddp", max_epochs=1, callbacks=[log]).fit(model, loader)
+    result["second_fit_losses"] = log.losses
+    return result
 
 
 class LossLog(pl.Callback):
@@ -214,8 +260,8 @@ def fp16(out: Path) -> dict:
         scaler = t.precision_plugin.scaler
         result[mode] = {"losses": module.losses, "scales": module.scales, "skipped": scaler.skipped_steps}
         if mode == "inject":
-            t.save_checkpoint(out / "fp16.ckpt")
-            checkpoint = torch.load(out / "fp16.ckpt", weights_only=True)
+            t.save_checkpoint(out / "fp16.ckpt")  # after fit: sharded, the scaler in the trainer state
+            checkpoint = load_trainer_state(out / "fp16.ckpt")
             result["checkpointed_scaler"] = checkpoint.get("Zero3Precision")
     resumed = Fp16GPT("resume")
     t = trainer(zero3(), max_steps=9, plugins=[lightning_zero3.Zero3Precision("16-mixed")])
@@ -243,6 +289,8 @@ def main() -> None:
         if args.offload == "nvme":
             OFFLOAD["nvme_path"] = str(args.out / "nvme")
     args.out.mkdir(parents=True, exist_ok=True)
+    global OUT
+    OUT = args.out
     pl.seed_everything(0)
     if args.mode == "flows":
         result = flows()
