@@ -24,6 +24,7 @@ from .checkpoint import (
     save_sharded_checkpoint,
 )
 from .checkpoint.files import load_file_checkpoint, save_file_atomically
+from .checkpoint.full import STREAMED, save_full_checkpoint
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:
@@ -53,7 +54,7 @@ class CheckpointingMixin:
         assert module is not None
         if self._engine is None:
             return module.state_dict()
-        return model_pieces(self._engine) if self._sharded_checkpoints else self._engine.full_state_dict()
+        return model_pieces(self._engine) if self._sharded_checkpoints else {STREAMED: True}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Sharded: this rank's part, keyed by parameter name. Full: the state an unsharded optimizer holds."""
@@ -62,7 +63,7 @@ class CheckpointingMixin:
             return optimizer.state_dict()
         if self._sharded_checkpoints:
             return optimizer_pieces(self._engine, optimizer)
-        return self._engine.full_optimizer_state(optimizer)
+        return {STREAMED: True}  # gathered and written unit by unit in ``save_checkpoint``
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
@@ -73,16 +74,19 @@ class CheckpointingMixin:
                 "itself (sharded directories, or atomic single files), not through a CheckpointIO plugin."
             )
         path = Path(self.broadcast(str(filepath)))
+        if self._engine is None:
+            if self.is_global_zero:
+                save_file_atomically(checkpoint, path)
+            return
+        # The model and optimizer entries are made anew inside the save: sharded, this rank's pieces (under
+        # NVMe read from the swap files as DCP writes them); full, gathered unit by unit as they are written.
+        checkpoint.pop("state_dict")
+        with_optimizers = checkpoint.pop("optimizer_states", None) is not None
+        optimizers = [_unwrap(o) for o in self.optimizers] if with_optimizers else []
         if self._sharded_checkpoints:
-            assert self._engine is not None
-            # the pieces are taken anew inside the save (under offload their values are only readable
-            # there); the entries Lightning put here are this rank's views of the same tensors
-            checkpoint.pop("state_dict")
-            with_optimizers = checkpoint.pop("optimizer_states", None) is not None
-            optimizers = [_unwrap(o) for o in self.optimizers] if with_optimizers else []
             save_sharded_checkpoint(path, self._engine, optimizers, checkpoint)
-        elif self.is_global_zero:
-            save_file_atomically(checkpoint, path)
+        else:
+            save_full_checkpoint(path, self._engine, optimizers, checkpoint)
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         if self.is_global_zero:
@@ -99,7 +103,7 @@ class CheckpointingMixin:
         optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
         if is_sharded_checkpoint(path):
             return load_sharded_checkpoint(path, engine, optimizers, module.strict_loading, weights_only)
-        checkpoint = load_file_checkpoint(path, weights_only)
+        checkpoint = load_file_checkpoint(path, weights_only, mmap=True)  # slices taken, pages dropped
         engine.load_full_state_dict(checkpoint["state_dict"], strict=module.strict_loading)
         if optimizers:
             if "optimizer_states" not in checkpoint:

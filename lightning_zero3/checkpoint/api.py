@@ -58,11 +58,11 @@ def save_sharded_checkpoint(
     """Write this rank's shards of the model and of ``optimizers``, and ``extra`` (rank 0's; anything
     ``torch.load(weights_only=True)`` reads back), to the checkpoint directory ``path`` (a collective).
 
-    Under NVMe offload the rank's states are read into host memory for the duration of the save."""
-    with engine.states_in_memory():
-        model_state = model_pieces(engine)
-        optimizer_parts = [optimizer_pieces(engine, optimizer) for optimizer in optimizers]
-        write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra)
+    Under NVMe offload the pieces are read from the swap files one at a time while DCP writes them."""
+    engine.settle()
+    model_state = model_pieces(engine)
+    optimizer_parts = [optimizer_pieces(engine, optimizer) for optimizer in optimizers]
+    write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra)
 
 
 def write_sharded_checkpoint(
@@ -120,9 +120,9 @@ def load_sharded_checkpoint(
     check_model_fits(engine, manifest["params"], manifest["buffers"], strict)
     extra = load_trainer_state(path, weights_only)
     saved_names = manifest["params"].keys() | manifest["buffers"].keys()
-    with engine.states_in_memory():
-        _load_states(path, engine, optimizers, extra, saved_names)
-    engine.refresh_gathered()
+    engine.settle()
+    _load_states(path, engine, optimizers, extra, saved_names)
+    engine.after_states_loaded()
     extra.pop("optimizer_states", None)
     return extra
 
@@ -155,4 +155,5 @@ def _load_states(
     for optimizer, optimizer_state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(optimizer_state)
         engine.keep_host_kernel(optimizer)
+    engine.note_optimizer_state()
 

@@ -11,6 +11,14 @@ overlapping parts of whichever saved chunks cover it, which is what makes reshar
 work without any rank ever holding a whole parameter. The planners below only teach DCP to find the
 tensor inside a ``FlatPiece``; everything else is DCP's default behaviour.
 
+[Note: checkpoints straight from the swap files]
+Under NVMe offload the rank's masters and optimizer state live in swap files. DCP resolves the items of
+a save one at a time and writes each before it asks for the next, and on load hands each read item to
+``resolve_tensor`` / ``commit_tensor`` in turn. So a piece backed by a swap file is read from its byte
+range when DCP asks for it and dropped once written; on load each read item lands in a buffer of its own
+and goes straight to its byte range of the file. At most one parameter's piece is in memory at a time,
+whatever the size of the model: the rank's states never pass through host memory as a whole.
+
 [Note: weights-only loading]
 DCP's file reader unpickles its ``.metadata`` file with plain ``pickle``, which can run arbitrary code.
 ``SafeFileSystemReader`` reads it with an unpickler that only admits DCP's own metadata classes, torch
@@ -33,20 +41,44 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ..engine.memory import host_buffer
+from ..engine.offload.aio import read_range, write_range
+from ..engine.offload.swapdir import SwapFile
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Where a piece's values live when they are not in memory: a swap file and a byte offset in it."""
+
+    file: SwapFile
+    offset: int
+
 
 @dataclass
 class FlatPiece:
     """This rank's elements ``[start, start + tensor.numel())`` of a flattened tensor of ``global_numel``
-    elements. ``tensor`` is 1-D: what is written on save, what is filled in place on load."""
+    elements. ``tensor`` is 1-D: what is written on save, what is filled in place on load.
+
+    With ``source`` set (NVMe offload), ``tensor`` is a meta tensor that only gives the size and dtype,
+    and the values are read from (or written to) the swap file piece by piece while DCP works through the
+    items one at a time: see [Note: checkpoints straight from the swap files]."""
 
     tensor: torch.Tensor
     start: int
     global_numel: int
     shape: tuple = ()  # the tensor's own shape before flattening (for the manifest); () means 1-D
+    source: Optional[FileRange] = None
 
     def __post_init__(self) -> None:
         if not self.shape:
             self.shape = (self.global_numel,)
+
+    def read(self) -> torch.Tensor:
+        """The piece's values in a fresh host buffer of its own (handed back to the kernel once dropped)."""
+        assert self.source is not None
+        values = host_buffer(self.tensor.numel(), self.tensor.dtype)
+        read_range(self.source.file, values, self.source.offset)
+        return values
 
     def _chunk(self) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=torch.Size([self.tensor.numel()]))
@@ -72,7 +104,9 @@ class FlatPiece:
 
 def _resolve(state_dict: dict[str, Any], index: MetadataIndex) -> Optional[torch.Tensor]:
     value = state_dict.get(index.fqn)
-    return value.tensor if isinstance(value, FlatPiece) else None
+    if not isinstance(value, FlatPiece):
+        return None
+    return value.read() if value.source is not None else value.tensor
 
 
 class _PieceSavePlanner(dcp.DefaultSavePlanner):
@@ -96,8 +130,24 @@ class _PieceLoadPlanner(dcp.DefaultLoadPlanner):
         self.is_coordinator = is_coordinator
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        tensor = _resolve(self.state_dict, index)
-        return tensor if tensor is not None else super().lookup_tensor(index)
+        value = self.state_dict.get(index.fqn)
+        if isinstance(value, FlatPiece):
+            return value.tensor
+        return super().lookup_tensor(index)
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        piece = self.state_dict.get(read_item.dest_index.fqn)
+        if isinstance(piece, FlatPiece) and piece.source is not None:  # filled here, then written to the file
+            return host_buffer(int(read_item.lengths[0]), piece.tensor.dtype)
+        return super().resolve_tensor(read_item)
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        piece = self.state_dict.get(read_item.dest_index.fqn)
+        if isinstance(piece, FlatPiece) and piece.source is not None:
+            offset = piece.source.offset + int(read_item.dest_offsets[0]) * tensor.element_size()
+            write_range(piece.source.file, tensor, offset)
+            return
+        super().commit_tensor(read_item, tensor)
 
 
 # -- reading metadata without running code --------------------------------------------------------
@@ -148,7 +198,15 @@ def read_dcp_metadata(path: Path) -> Metadata:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader, with the metadata read by the restricted unpickler (see [Note: weights-only loading])."""
+    """DCP's file reader, with the metadata read by the restricted unpickler (see [Note: checkpoints straight from the swap files]
+Under NVMe offload the rank's masters and optimizer state live in swap files. DCP resolves the items of
+a save one at a time and writes each before it asks for the next, and on load hands each read item to
+``resolve_tensor`` / ``commit_tensor`` in turn. So a piece backed by a swap file is read from its byte
+range when DCP asks for it and dropped once written; on load each read item lands in a buffer of its own
+and goes straight to its byte range of the file. At most one parameter's piece is in memory at a time,
+whatever the size of the model: the rank's states never pass through host memory as a whole.
+
+[Note: weights-only loading])."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

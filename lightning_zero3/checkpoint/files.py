@@ -35,12 +35,13 @@ def save_file_atomically(obj: Any, path: Path) -> None:
             staging.unlink()
 
 
-def torch_load_checked(file: Path, weights_only: Optional[bool] = True) -> Any:
-    """``torch.load`` (weights-only unless ``weights_only=False``), with errors that say what is wrong."""
+def torch_load_checked(file: Path, weights_only: Optional[bool] = True, mmap: bool = False) -> Any:
+    """``torch.load`` (weights-only unless ``weights_only=False``), with errors that say what is wrong.
+    ``mmap``: tensors are mapped from the file, read only where touched (see ``engine.memory.drop_pages``)."""
     if not file.is_file():
         raise CheckpointError(f"zero3: there is no checkpoint file at {file}.")
     try:
-        return torch.load(file, map_location="cpu", weights_only=weights_only is not False)
+        return torch.load(file, map_location="cpu", weights_only=weights_only is not False, mmap=mmap)
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"zero3: {file} holds an object that weights-only loading refuses:\n{error}\nIf you trust this "
@@ -50,8 +51,8 @@ def torch_load_checked(file: Path, weights_only: Optional[bool] = True) -> Any:
         raise CheckpointError(f"zero3: {file} is not a readable checkpoint (truncated or corrupt?): {error}") from error
 
 
-def load_file_checkpoint(path: Path, weights_only: Optional[bool] = True) -> dict[str, Any]:
-    checkpoint = torch_load_checked(path, weights_only)
+def load_file_checkpoint(path: Path, weights_only: Optional[bool] = True, mmap: bool = False) -> dict[str, Any]:
+    checkpoint = torch_load_checked(path, weights_only, mmap)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(f"zero3: {path} is not a Lightning checkpoint (it has no 'state_dict').")
     return checkpoint

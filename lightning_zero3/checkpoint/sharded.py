@@ -1,8 +1,5 @@
 """What a rank contributes to a sharded checkpoint, and how it takes its part back.
 
-Under offload the shard parameters and optimizer state hold real values only inside
-``engine.states_in_memory()``: every function here is called inside that block (see ``api.py``).
-
 The model's part is a dict under the module's own ``state_dict`` names: every sharded parameter is a
 ``FlatPiece`` (this rank's element range of the flattened parameter, a view of its shard: nothing is
 copied or gathered), every buffer its tensor. A tied parameter appears under each of its names as the
@@ -12,6 +9,10 @@ The optimizer's part follows ``optimizer.state_dict()``, keyed by parameter name
 per-element state (Adam's moments, SGD's momentum) as ``FlatPiece``s over the same element ranges as
 the parameter, everything else (``step``, hyper-parameters) as it is. Per-element state goes into DCP;
 the rest is small, identical on every rank, and travels in the trainer-state file.
+
+Under NVMe offload a group whose states are on disk contributes pieces backed by its swap files (see
+[Note: checkpoints straight from the swap files] in dcp_io.py): the caller first lets every write land
+(``engine.offload.settle()``), and nothing is read into memory beyond one piece at a time.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import Any
 import torch
 
 from ..engine import Zero3Engine
+from ..engine.offload.store import MASTER, state_kind
 from ..engine.optim import optimizer_params
 from ..engine.shard import FlatGroup, ParamSlot
-from .dcp_io import FlatPiece
+from .dcp_io import FileRange, FlatPiece
 
 MODEL_PREFIX = "model."
 
@@ -36,14 +38,26 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint was written for another model or optimizer; the message lists what differs."""
 
 
+def _on_disk(group: FlatGroup) -> bool:
+    return group.store is not None and group.store.offload.nvme and not group.store.resident
+
+
 def _piece(group: FlatGroup, slot: ParamSlot, tensor: torch.Tensor) -> FlatPiece:
-    start = group.comm.rank * group.shard_numel + slot.lo - slot.offset
+    start = slot.piece_start(group.comm.rank, group.shard_numel)
     return FlatPiece(tensor, start, slot.numel, tuple(slot.param.shape))
+
+
+def _file_piece(group: FlatGroup, slot: ParamSlot, kind: str) -> FlatPiece:
+    """This rank's piece of ``slot`` in the swap file of ``kind`` (the master, or an optimizer state)."""
+    file, offset, dtype = group.store.file_range(kind, slot.lo, slot.hi)
+    piece = _piece(group, slot, torch.empty(slot.hi - slot.lo, dtype=dtype, device="meta"))
+    piece.source = FileRange(file, offset)
+    return piece
 
 
 def _owner(engine: Zero3Engine) -> dict[int, tuple[FlatGroup, ParamSlot]]:
     """Group and slot of every sharded parameter, by id of the user's parameter."""
-    return {id(slot.param): (group, slot) for group, slot in engine._slot_of_shard.values()}
+    return {id(slot.param): engine.group_of(slot.shard_param) for slot in engine.slots.values()}
 
 
 def model_pieces(engine: Zero3Engine) -> dict[str, Any]:
@@ -55,7 +69,10 @@ def model_pieces(engine: Zero3Engine) -> dict[str, Any]:
         if id(value) in owner:
             group, slot = owner[id(value)]
             if id(value) not in pieces:  # the shard parameter: under offload, a view of the tier's master
-                pieces[id(value)] = _piece(group, slot, slot.shard_param.detach().reshape(-1))
+                if _on_disk(group):
+                    pieces[id(value)] = _file_piece(group, slot, MASTER)
+                else:
+                    pieces[id(value)] = _piece(group, slot, slot.shard_param.detach().reshape(-1))
             state[name] = pieces[id(value)]
         else:
             state[name] = value.detach()
@@ -67,7 +84,7 @@ def param_names(engine: Zero3Engine) -> dict[int, str]:
     first: dict[int, str] = {}
     for name, value in engine.module.state_dict(keep_vars=True).items():
         first.setdefault(id(value), name)
-    return {shard_id: first[id(slot.param)] for shard_id, (_, slot) in engine._slot_of_shard.items()}
+    return {id(slot.shard_param): first[id(slot.param)] for slot in engine.slots.values()}
 
 
 def optimizer_pieces(engine: Zero3Engine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -78,10 +95,12 @@ def optimizer_pieces(engine: Zero3Engine, optimizer: torch.optim.Optimizer) -> d
     state: dict[str, dict[str, Any]] = {}
     for index, values in local["state"].items():
         shard_param = params[index]
-        group, slot = engine._slot_of_shard[id(shard_param)]
+        group, slot = engine.group_of(shard_param)
         entry = {}
         for key, value in values.items():
-            if _per_element(value, shard_param):
+            if _on_disk(group) and key in group.store.state_dtypes:  # a placeholder: the values are on disk
+                entry[key] = _file_piece(group, slot, state_kind(key))
+            elif _per_element(value, shard_param):
                 entry[key] = _piece(group, slot, value.reshape(-1))
             else:
                 entry[key] = value
@@ -157,11 +176,18 @@ def optimizer_targets(
     prefix = optimizer_prefix(index)
     for name, entry in saved["state"].items():
         shard_param = params[position[name]]
-        group, slot = engine._slot_of_shard[id(shard_param)]
+        group, slot = engine.group_of(shard_param)
         values = {}
         for key, value in entry.items():
             if key in saved["per_element"].get(name, ()):
-                tensor = torch.zeros(shard_param.numel(), dtype=dtypes[f"{prefix}{name}.{key}"], device=shard_param.device)
+                dtype = dtypes[f"{prefix}{name}.{key}"]
+                if _on_disk(group):  # DCP writes the values straight into the state's swap file
+                    group.store.ensure_state(key, dtype)
+                    if slot.hi > slot.lo:
+                        targets[f"{prefix}{name}.{key}"] = _file_piece(group, slot, state_kind(key))
+                    values[key] = torch.empty(0, dtype=dtype)  # the resident-less placeholder
+                    continue
+                tensor = torch.zeros(shard_param.numel(), dtype=dtype, device=shard_param.device)
                 if tensor.numel():
                     targets[f"{prefix}{name}.{key}"] = _piece(group, slot, tensor)
                 values[key] = tensor.view(shard_param.shape)

@@ -27,7 +27,9 @@ from . import gradients
 from .comm import Communicator
 from .hooks import HookManager, UnitRuntime
 from .materialize import InitFn, Materializer, has_meta_tensors
-from .memory import GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, optimizer_state_bytes, resident_bytes
+from .memory import (
+    GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, drop_pages, optimizer_state_bytes, resident_bytes,
+)
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
 from .optim import optimizer_params, shard_optimizer
 from .schedule import Schedule
@@ -247,9 +249,10 @@ class Zero3Engine:
         self.note_optimizer_state()
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The state dict an unsharded optimizer would have (a collective; see ``state.py``)."""
-        with self.states_in_memory():
-            full = full_optimizer_state(optimizer, self._slot_of_shard, self.comm)
+        """The state dict an unsharded optimizer would have (a collective; holds all of it: for models that
+        fit one process; single-file checkpoints stream it instead, see ``state.py``)."""
+        self.settle()
+        full = full_optimizer_state(optimizer, self)
         full["param_groups"] = self.user_param_groups(optimizer, full["param_groups"])
         return full
 
@@ -262,11 +265,25 @@ class Zero3Engine:
         return param_groups
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Load a full (unsharded) optimizer state dict, keeping this rank's slice."""
-        with self.states_in_memory():
-            load_full_optimizer_state(optimizer, state, self._slot_of_shard, self.comm)
+        """Load a full (unsharded) optimizer state dict, keeping this rank's slice (not a collective)."""
+        self.settle()
+        load_full_optimizer_state(optimizer, state, self)
         self.keep_host_kernel(optimizer)
         self.note_optimizer_state()
+
+    def settle(self) -> None:
+        """Under NVMe offload: every write landed, so the swap files hold the current values (before they
+        are read or written directly, for checkpoints)."""
+        if self.offload is not None:
+            self.offload.settle()
+
+    def after_states_loaded(self) -> None:
+        """Masters changed in their tiers (a checkpoint was loaded): refresh what the all-gathers read and
+        the full copies alive now."""
+        for runtime in self.runtimes:
+            if runtime.group.source is not None:
+                runtime.group.source.refresh()
+        self.refresh_gathered()
 
     def keep_host_kernel(self, optimizer: torch.optim.Optimizer) -> None:
         """Call after ``optimizer.load_state_dict``, which brings back the user's ``fused`` / ``foreach``
@@ -370,11 +387,10 @@ class Zero3Engine:
         return {name: full[id(v)] if id(v) in full else v.detach().clone() for name, v in own.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load full (unsharded) weights: each rank keeps its slice, in the master dtype. Buffers are copied."""
-        with self.states_in_memory():
-            self._load_full_state_dict(state_dict, strict)
-
-    def _load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool) -> None:
+        """Load full (unsharded) weights: each rank keeps its slice, in the master dtype (under NVMe written
+        straight to the swap files). Buffers are copied. ``state_dict`` may be memory-mapped from a file
+        (``torch.load(..., mmap=True)``): each tensor's pages are dropped once its slice is taken."""
+        self.settle()
         own = self.module.state_dict(keep_vars=True)
         missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
         if strict and (missing or unexpected):
@@ -384,10 +400,11 @@ class Zero3Engine:
                 target = own.get(name)
                 slot = self.slots.get(id(target)) if target is not None else None
                 if slot is not None:
-                    self._slot_of_shard[id(slot.shard_param)][0].load_slice(slot, value)
+                    self.group_of(slot.shard_param)[0].load_slice(slot, value)
                 elif target is not None:
                     target.copy_(value)
-        self.refresh_gathered()
+                drop_pages(value)
+        self.after_states_loaded()
 
     def refresh_gathered(self) -> None:
         """The shards changed under the model: full copies alive right now are gathered anew."""

@@ -190,6 +190,36 @@ def resident_bytes(tensor: torch.Tensor) -> int:
     return sum(1 for v in vector if v & 1) * _PAGE
 
 
+def drop_pages(tensor: torch.Tensor) -> None:
+    """Hand the pages under ``tensor`` back to the kernel when they are a private mapping of a file
+    (``torch.load(..., mmap=True)``, only ever read): read once, they need not stay resident, and are read
+    from the file again if touched. Other tensors are left as they are (dropping pages of ordinary memory
+    would lose their contents)."""
+    storage = tensor.untyped_storage()
+    if tensor.device.type != "cpu" or _LIBC is None or storage.size() == 0 or not _is_file_mapped(storage):
+        return
+    start = storage.data_ptr() // _PAGE * _PAGE
+    end = -(-(storage.data_ptr() + storage.size()) // _PAGE) * _PAGE
+    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+
+
+def _is_file_mapped(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` lies in a file mapping (per /proc/self/maps), the only memory ``drop_pages`` may drop."""
+    address = storage.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, _, rest = line.partition(" ")
+                low, high = (int(x, 16) for x in span.split("-"))
+                if low <= address < high:
+                    fields = rest.split()
+                    # a private mapping of a file (``mmap=True`` maps copy-on-write): clean pages re-read on use
+                    return len(fields) >= 5 and fields[4].startswith("/") and fields[0].endswith("p")
+    except OSError:
+        return False
+    return False
+
+
 class BufferPool:
     """Transient buffers reused by size (see [Note: huge pages stay inside their buffer]
 The kernel merges neighbouring anonymous mappings with the same settings into one region, and a huge

@@ -273,10 +273,12 @@ class FlatGroup:
                 f"{tuple(slot.param.shape)} has {slot.numel}; the state dict was written for another model."
             )
         start = slot.piece_start(self.comm.rank, self.shard_numel)
-        master = self.master if self.store is None else self.store.require_resident("loading weights")
         with torch.no_grad():
             piece = full_value.reshape(-1)[start : start + slot.hi - slot.lo]
-            master[slot.lo : slot.hi].copy_(piece)
+            if self.store is not None and self.store.master is None:  # on NVMe: straight into the swap file
+                self.store.write_master_range(slot.lo, slot.hi, piece)
+            else:
+                self.master[slot.lo : slot.hi].copy_(piece)
 
     def release(self) -> None:
         """Free the full parameters (persistent groups are never released)."""

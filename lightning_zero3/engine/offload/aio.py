@@ -63,30 +63,44 @@ class AsyncFileIO:
     def _write(self, swap: SwapFile, tensor: torch.Tensor, offset: int, ready=None) -> torch.Tensor:
         if ready is not None:
             ready()
-        view = _byte_view(tensor)
-        start, done = time.perf_counter(), 0
-        try:
-            while done < len(view):
-                done += os.pwrite(swap.fd, view[done : done + self.chunk_bytes], offset + done)
-        except OSError as error:
-            if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise disk_full(swap.path.parent, len(view) - done, error) from error
-            raise
-        self.stats.write_bytes += len(view)
+        start = time.perf_counter()
+        nbytes = write_range(swap, tensor, offset, self.chunk_bytes)
+        self.stats.write_bytes += nbytes
         self.stats.write_seconds += time.perf_counter() - start
         return tensor
 
     def _read(self, swap: SwapFile, tensor: torch.Tensor, offset: int) -> torch.Tensor:
-        view = _byte_view(tensor)
-        start, done = time.perf_counter(), 0
-        while done < len(view):
-            got = os.preadv(swap.fd, [view[done : done + self.chunk_bytes]], offset + done)
-            if got == 0:
-                raise OSError(errno.EIO, f"zero3: swap file {swap.path} is shorter than expected (truncated?)")
-            done += got
-        self.stats.read_bytes += len(view)
+        start = time.perf_counter()
+        nbytes = read_range(swap, tensor, offset, self.chunk_bytes)
+        self.stats.read_bytes += nbytes
         self.stats.read_seconds += time.perf_counter() - start
         return tensor
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def write_range(swap: SwapFile, tensor: torch.Tensor, offset: int, chunk_bytes: int = 1 << 26) -> int:
+    """Write ``tensor``'s bytes at byte ``offset`` of ``swap`` (in the calling thread); returns the bytes."""
+    view = _byte_view(tensor)
+    done = 0
+    try:
+        while done < len(view):
+            done += os.pwrite(swap.fd, view[done : done + chunk_bytes], offset + done)
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full(swap.path.parent, len(view) - done, error) from error
+        raise
+    return len(view)
+
+
+def read_range(swap: SwapFile, tensor: torch.Tensor, offset: int, chunk_bytes: int = 1 << 26) -> int:
+    """Fill ``tensor`` from byte ``offset`` of ``swap`` (in the calling thread); returns the bytes."""
+    view = _byte_view(tensor)
+    done = 0
+    while done < len(view):
+        got = os.preadv(swap.fd, [view[done : done + chunk_bytes]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, f"zero3: swap file {swap.path} is shorter than expected (truncated?)")
+        done += got
+    return len(view)

@@ -57,6 +57,24 @@ class ParamSource:
         elif self.host_copy is not None:
             self.host_copy.copy_(self.store.master)
 
+    def refresh(self) -> None:
+        """The master changed in its tier behind the step's back (a checkpoint was loaded): bring what
+        all-gathers read up to date, reading the master from its swap file if need be."""
+        if self.tier == "nvme" or (self.tier == "cpu" and not self.offload.nvme):
+            return  # the all-gather reads the master itself, just in time
+        pooled = None
+        master = self.store.master
+        if master is None:
+            future, pooled = self.store.read_file(MASTER)
+            self.offload.io.wait(future)
+            master = pooled
+        if self.tier is None:
+            self.offload.copies.wait_on_host(self.offload.copies.copy(self.shard, master))
+        else:
+            self.host_copy.copy_(master)
+        if pooled is not None:
+            self.offload.host.give(pooled)
+
     def prefetch(self) -> None:
         """Read the parameter shard from its swap file ahead of the all-gather that needs it."""
         if self.tier != "nvme" or self.store.resident or self.pending_read is not None:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..memory import OFFLOAD_HOST, OFFLOAD_NVME, host_buffer
+from .aio import write_range
 
 if TYPE_CHECKING:
     from .resources import Offload
@@ -135,6 +136,12 @@ class GroupStore:
         """(swap file, byte offset, dtype) of elements ``[lo, hi)`` of ``kind`` (NVMe tier, for checkpoints)."""
         dtype = self.dtype if kind in (MASTER, GRAD) else self.state_dtypes[kind[len("state-") :]]
         return self.files[kind], lo * torch.empty((), dtype=dtype).element_size(), dtype
+
+    def write_master_range(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Write elements ``[lo, hi)`` of the master straight to its swap file (the group is on disk)."""
+        self._settle(MASTER)
+        file, offset, dtype = self.file_range(MASTER, lo, hi)
+        write_range(file, values.to(dtype).contiguous(), offset)
 
     # -- file transfers (NVMe tier) -----------------------------------------------------------------
 

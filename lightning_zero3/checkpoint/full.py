@@ -1,0 +1,143 @@
+"""Single-file checkpoints (``checkpoint_format="full"``): what DDP saves, written unit by unit.
+
+The file is an ordinary Lightning checkpoint (``torch.save`` format: full weights under the module's own
+names, the unsharded optimizer state, and Lightning's loops, callbacks, schedulers), so DDP and plain
+torch load it as their own. It is written as described in [Note: a torch.save file, tensor by tensor]
+(``writers.py``): every rank takes part in gathering one unit's weights, then one state key of that
+unit at a time, rank 0 writes them and the buffers go before the next; no rank ever holds the whole
+model or its optimizer state. The file appears whole or not at all, and a failure on rank 0 reaches
+every rank.
+
+Loading reads the file memory-mapped: each rank copies its slice of every tensor and drops the pages it
+read (``engine.load_full_state_dict``, ``load_full_optimizer_state``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..engine import Zero3Engine
+from ..engine.state import full_state_layout, gathered_state
+from .writers import TensorEntry, TorchFileWriter, placeholder
+
+#: what ``lightning_module_state_dict`` / ``optimizer_state`` hand Lightning in full mode: the values are
+#: written by ``save_full_checkpoint`` as they are gathered
+STREAMED = "zero3: written unit by unit by save_full_checkpoint"
+
+
+def save_full_checkpoint(
+    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any]
+) -> None:
+    """Write ``extra`` plus ``state_dict`` and (given ``optimizers``) ``optimizer_states`` to ``path`` as
+    one ``torch.save`` file (a collective; rank 0 writes)."""
+    engine.settle()
+    writing = engine.comm.rank == 0
+    layouts = [full_state_layout(optimizer, engine) for optimizer in optimizers]
+    later: dict[tuple, torch.Tensor] = {}  # (what, ...) -> placeholder, on the writing rank
+
+    def hold(key: tuple, shape: torch.Size, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        if writing:
+            later[key] = placeholder(TensorEntry([str(key)], list(shape), dtype))
+        return later.get(key)
+
+    checkpoint = dict(extra)
+    checkpoint["state_dict"] = _state_dict_skeleton(engine, hold)
+    if optimizers:
+        checkpoint["optimizer_states"] = [
+            _optimizer_skeleton(engine, optimizer, layout, i, hold) for i, (optimizer, layout) in enumerate(zip(optimizers, layouts))
+        ]
+    staging = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
+    writer = None
+    error: Optional[str] = None
+    try:
+        if writing:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            writer = TorchFileWriter(staging, checkpoint, later.values())
+        _stream_values(engine, optimizers, layouts, writer, later)
+        if writer is not None:
+            writer.close()
+            writer = None
+            _fsync(staging)
+            if path.is_dir():
+                from .atomic import remove_checkpoint
+
+                remove_checkpoint(path)  # a sharded checkpoint of the same name is replaced by the file
+            os.replace(staging, path)
+    except Exception as failure:  # noqa: BLE001 - every rank learns of it below
+        error = f"{type(failure).__name__}: {failure}"
+        if writer is not None:
+            writer.abort()
+        if engine.comm.world_size == 1:
+            raise
+    finally:
+        staging.unlink(missing_ok=True)
+    if engine.comm.world_size > 1:
+        errors = [e for e in engine.comm.all_gather_objects(error) if e]
+        if errors:
+            raise RuntimeError(f"zero3: saving the checkpoint {path} failed: {errors[0]}")
+
+
+def _fsync(file: Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _state_dict_skeleton(engine: Zero3Engine, hold) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        slot = engine.slots.get(id(value))
+        if slot is not None:
+            state[name] = hold(("param", id(slot.param)), slot.param.shape, engine.group_of(slot.shard_param)[0].dtype)
+        else:
+            state[name] = value.detach().cpu()
+    return state
+
+
+def _optimizer_skeleton(engine: Zero3Engine, optimizer: torch.optim.Optimizer, layout, number: int, hold) -> dict:
+    state: dict[int, dict[str, Any]] = {index: dict(values) for index, values in layout.scalars.items()}
+    for index, keys in layout.keys_of.items():
+        slot = engine.group_of(layout.params[index])[1]
+        for key in keys:
+            state.setdefault(index, {})[key] = hold(("state", number, index, key), slot.param.shape, layout.dtypes[key])
+    groups = engine.user_param_groups(optimizer, optimizer.state_dict()["param_groups"])
+    return {"state": state, "param_groups": groups}
+
+
+def _stream_values(engine: Zero3Engine, optimizers, layouts, writer: Optional[TorchFileWriter], later: dict) -> None:
+    """Gather unit after unit (weights, then each optimizer-state key) and let rank 0 write each tensor.
+
+    On a failure of the writer, rank 0 stops writing but keeps taking part in the gathers, so the other
+    ranks are never left waiting in a collective."""
+    broken: list[BaseException] = []
+
+    def fill(key: tuple, values: torch.Tensor) -> None:
+        if writer is None or broken:
+            return
+        try:
+            writer.fill(later[key], values.cpu())
+        except Exception as failure:  # noqa: BLE001 - re-raised once every gather is done
+            broken.append(failure)
+
+    for runtime in engine.runtimes:
+        group = runtime.group
+        with group.gathered_master() as master:
+            for slot in group.slots:
+                fill(("param", id(slot.param)), master[slot.offset : slot.offset + slot.numel])
+        for number, (optimizer, layout) in enumerate(zip(optimizers, layouts)):
+            indices = [i for i, p in enumerate(layout.params) if engine.group_of(p)[0] is group]
+            for key in sorted({k for i in indices for k in layout.keys_of.get(i, ())}):
+                with gathered_state(engine, optimizer, layout, group, indices, key) as full:
+                    for index in indices:
+                        if key in layout.keys_of.get(index, ()):
+                            slot = engine.group_of(layout.params[index])[1]
+                            fill(("state", number, index, key), full[slot.offset : slot.offset + slot.numel])
+    if broken:
+        raise broken[0]
