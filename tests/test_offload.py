@@ -22,7 +22,11 @@ from torch import nn
 
 import lightning_zero3
 from lightning_zero3 import Zero3Config, Zero3ConfigError, Zero3Engine, Zero3Strategy, gathered_parameters
-from lightning_zero3.engine.offload import NvmePathError, SwapDiskFullError
+from late_copies import LateCopies, LateTicket
+from lightning_zero3.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from lightning_zero3.checkpoint.full import save_full_checkpoint
+from lightning_zero3.engine.memory import OFFLOAD_HOST
+from lightning_zero3.engine.offload import NvmePathError, SwapDiskFullError, resources
 from lightning_zero3.engine.offload import aio as aio_module
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=64)
@@ -64,6 +68,12 @@ def _engine(mode: str, tmp_path: Path, **extra):
     engine = Zero3Engine(model, _config(mode, tmp_path, **extra))
     optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     return model, engine, optimizer
+
+
+@pytest.fixture(autouse=True)
+def late_copies(monkeypatch):
+    """Every offload test here runs with device <-> host copies that complete late (see late_copies.py)."""
+    monkeypatch.setattr(resources, "COPY_ENGINE", LateCopies)
 
 
 # -- the state contract ------------------------------------------------------------------------------
@@ -145,6 +155,75 @@ def test_clipping_and_accumulation_see_the_offloaded_gradients(tmp_path):
         assert results[mode][0] == pytest.approx(results["none"][0], rel=1e-5)
         for name, value in results["none"][1].items():
             torch.testing.assert_close(results[mode][1][name], value, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_the_late_copy_engine_really_completes_copies_late():
+    target, source = torch.zeros(4), torch.ones(4)
+    ticket = LateCopies(torch.device("cpu"), False, None).copy(target, source)
+    assert target.tolist() == [0.0] * 4  # a read without waiting sees the old values
+    ticket.wait_host()
+    assert target.tolist() == [1.0] * 4 and isinstance(ticket, LateTicket)
+
+
+def _passes(model, engine, optimizer, data, step: int) -> dict:
+    """One step with every gradient pass a Lightning run makes: fp16 unscale, clip by value and by norm."""
+    x, y = data[step * 2 : step * 2 + 2]
+    logits = model(x)
+    (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) * 4.0).backward()  # a "scaled" loss
+    watched = {}
+    with engine.ledger.watch() as watched["unscale"]:
+        found_inf = engine.unscale_gradients_(0.25)
+    with engine.ledger.watch() as watched["clip"]:
+        engine.clip_grad_value_(0.05)
+        norm = float(engine.clip_grad_norm_(0.1))
+    optimizer.step()
+    optimizer.zero_grad()
+    return {"found_inf": found_inf, "norm": norm, "watched": watched}
+
+
+def test_nvme_streams_gradient_passes_and_checkpoints_within_the_buffer_count(tmp_path):
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=12, n_head=2, n_embd=64)
+    data = random_tokens(32, cfg.block_size, cfg.vocab_size, seed=11)
+    runs = {}
+    for mode in ("none", "nvme"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        knobs = {"offload_buffer_count": 2, **MODES.get(mode, {})}
+        engine = Zero3Engine(model, Zero3Config(persistence_threshold=500, nvme_path=str(tmp_path), **knobs))
+        optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        steps = [_passes(model, engine, optimizer, data, step) for step in range(3)]
+        phases = {}
+        with engine.ledger.watch() as phases["sharded save"]:
+            save_sharded_checkpoint(tmp_path / mode / "sharded", engine, [optimizer], {})
+        with engine.ledger.watch() as phases["full save"]:
+            save_full_checkpoint(tmp_path / mode / "full.ckpt", engine, [optimizer], {})
+        weights = engine.full_state_dict()
+        with engine.ledger.watch() as phases["sharded load"]:
+            load_sharded_checkpoint(tmp_path / mode / "sharded", engine, [optimizer])
+        with engine.ledger.watch() as phases["full load"]:
+            full = torch.load(tmp_path / mode / "full.ckpt", mmap=True, weights_only=True)
+            engine.load_full_state_dict(full["state_dict"])
+            engine.load_full_optimizer_state(optimizer, full["optimizer_states"][0])
+        after_load = [_passes(model, engine, optimizer, data, step) for step in range(3, 5)]
+        largest = max(rt.group.shard_numel * 4 for rt in engine.runtimes)  # bytes of one fp32 shard
+        states = 16 * sum(p.numel() for p in GPT(cfg).parameters())
+        runs[mode] = {"steps": steps, "after_load": after_load, "phases": phases, "weights": weights,
+                      "largest": largest, "states": states}  # fmt: skip
+        engine.close()
+    nvme, reference = runs["nvme"], runs["none"]
+    # the same numbers as without offload: deferred unscale and clipping applied at the step
+    for ours, theirs in zip(nvme["steps"] + nvme["after_load"], reference["steps"] + reference["after_load"]):
+        assert ours["found_inf"] is theirs["found_inf"] is False
+        assert ours["norm"] == pytest.approx(theirs["norm"], rel=1e-5)
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(nvme["weights"][name], value, rtol=0, atol=WEIGHT_ATOL, msg=name)
+    # host memory: never more than offload_buffer_count (2) groups' master, gradient and two moments,
+    # far below the rank's states (12 blocks); the gradient passes hold no more than the step does
+    bound = 2 * 4 * nvme["largest"]
+    watched = {f"step {i} {name}": w for i, s in enumerate(nvme["steps"]) for name, w in s["watched"].items()}
+    for phase, peaks in {**watched, **nvme["phases"]}.items():
+        assert peaks[OFFLOAD_HOST] <= bound, (phase, peaks[OFFLOAD_HOST], bound)
+    assert bound < nvme["states"] / 4
 
 
 # -- the swap folder ---------------------------------------------------------------------------------
@@ -262,7 +341,7 @@ def _peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _capacity_case(rank: int, world: int, width: int, depth: int, knobs: dict) -> dict:
+def _capacity_case(rank: int, world: int, width: int, depth: int, knobs: dict, out: str) -> dict:
     model = Layers(width, depth)  # created uninitialised: nothing resident until the engine shards a layer
     engine = Zero3Engine(model, Zero3Config(persistence_threshold=0, **knobs))
     for i, block in enumerate(model.blocks):  # initialised one layer at a time, through the engine
@@ -274,23 +353,26 @@ def _capacity_case(rank: int, world: int, width: int, depth: int, knobs: dict) -
     for _ in range(3):
         loss = (model(x) - x).pow(2).mean()
         loss.backward()
+        engine.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    # The peak of training. (``engine.close()`` would now build the ordinary full model and its full
-    # optimizer state in memory, by definition as large as the states; the swap folder goes at exit.)
+    save_sharded_checkpoint(Path(out) / "checkpoint", engine, [optimizer], {})  # and back: a resume
+    load_sharded_checkpoint(Path(out) / "checkpoint", engine, [optimizer])
+    report = engine.memory_report()
+    engine.trim()  # the end of a run: the module stays sharded, the swap files go
+    engine.release_offload()
+    # the whole run's peak, as the kernel saw it, in the default environment (no allocator settings)
     return {"losses": losses, "peak_rss": _peak_rss(), "params": sum(p.numel() for p in model.parameters()),
-            **engine.memory_report()}  # fmt: skip
+            **report}  # fmt: skip
 
 
 def test_nvme_offload_trains_a_model_four_times_larger_than_its_peak_memory(tmp_path, monkeypatch):
-    # glibc would keep freed 4 MiB blocks in its heap (its mmap threshold adapts upward); fix it so that
-    # freed buffers go back to the OS and the peak measures what the engine holds, not the allocator's cache
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    width, depth = 1024, 112  # 117M parameters: 1.9 GB of model states
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # the default environment a user has
+    width, depth = 1024, 128  # 134M parameters: 2.1 GB of model states
     knobs = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path), "offload_buffer_count": 2}
-    (offloaded,) = run_ranks(_capacity_case, 1, width, depth, knobs)
-    (resident,) = run_ranks(_capacity_case, 1, width, depth, {})
+    (offloaded,) = run_ranks(_capacity_case, 1, width, depth, knobs, str(tmp_path / "offloaded"))
+    (resident,) = run_ranks(_capacity_case, 1, width, depth, {}, str(tmp_path / "resident"))
     states = 16 * offloaded["params"]  # fp32 parameter, gradient, Adam's two moments
     print(f"\nmodel states {states / 2**20:.0f} MiB; peak RSS with NVMe offload {offloaded['peak_rss'] / 2**20:.0f} MiB "
           f"({states / offloaded['peak_rss']:.2f}x), without {resident['peak_rss'] / 2**20:.0f} MiB")  # fmt: skip

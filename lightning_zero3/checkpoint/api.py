@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ..engine import Communicator, Zero3Engine
+from ..engine.memory import return_free_heap
 from .atomic import MANIFEST, TRAINER_STATE, commit, partial_path, read_manifest, write_manifest
 from .files import torch_load_checked, write_torch_file
 from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
@@ -63,6 +64,7 @@ def save_sharded_checkpoint(
     model_state = model_pieces(engine)
     optimizer_parts = [optimizer_pieces(engine, optimizer) for optimizer in optimizers]
     write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra)
+    return_free_heap()
 
 
 def write_sharded_checkpoint(

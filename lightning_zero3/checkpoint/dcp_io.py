@@ -30,7 +30,9 @@ with ``weights_only=True``).
 from __future__ import annotations
 
 import pickle
+import queue
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -38,20 +40,32 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..engine.memory import host_buffer
+from ..engine.memory import OFFLOAD_HOST, ByteLedger, host_buffer
 from ..engine.offload.aio import read_range, write_range
 from ..engine.offload.swapdir import SwapFile
 
 
 @dataclass(frozen=True)
 class FileRange:
-    """Where a piece's values live when they are not in memory: a swap file and a byte offset in it."""
+    """Where a piece's values live when they are not in memory: a swap file and a byte offset in it, and the
+    ledger that counts the host buffers the piece passes through."""
 
     file: SwapFile
     offset: int
+    ledger: Optional[ByteLedger] = None
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of its own for one piece, counted in the ledger for as long as it lives."""
+        values = host_buffer(numel, dtype)
+        if self.ledger is not None:
+            nbytes = values.numel() * values.element_size()
+            self.ledger.add(OFFLOAD_HOST, nbytes)
+            weakref.finalize(values, self.ledger.remove, OFFLOAD_HOST, nbytes)
+        return values
 
 
 @dataclass
@@ -68,6 +82,7 @@ class FlatPiece:
     global_numel: int
     shape: tuple = ()  # the tensor's own shape before flattening (for the manifest); () means 1-D
     source: Optional[FileRange] = None
+    bucket: str = ""  # pieces of one bucket (a flat group) share a file: see [Note: one file per group]
 
     def __post_init__(self) -> None:
         if not self.shape:
@@ -76,7 +91,7 @@ class FlatPiece:
     def read(self) -> torch.Tensor:
         """The piece's values in a fresh host buffer of its own (handed back to the kernel once dropped)."""
         assert self.source is not None
-        values = host_buffer(self.tensor.numel(), self.tensor.dtype)
+        values = self.source.buffer(self.tensor.numel(), self.tensor.dtype)
         read_range(self.source.file, values, self.source.offset)
         return values
 
@@ -106,7 +121,16 @@ def _resolve(state_dict: dict[str, Any], index: MetadataIndex) -> Optional[torch
     value = state_dict.get(index.fqn)
     if not isinstance(value, FlatPiece):
         return None
-    return value.read() if value.source is not None else value.tensor
+    if value.source is not None:
+        return value.read()
+    tensor = value.tensor
+    if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        # DCP writes whole storages: a view of a shard would be cloned on the heap; a mapping of its own
+        # goes back to the kernel once written (see [Note: the heap between phases] in engine/memory.py)
+        copy = host_buffer(tensor.numel(), tensor.dtype)
+        copy.copy_(tensor)
+        return copy
+    return tensor
 
 
 class _PieceSavePlanner(dcp.DefaultSavePlanner):
@@ -138,7 +162,7 @@ class _PieceLoadPlanner(dcp.DefaultLoadPlanner):
     def resolve_tensor(self, read_item: Any) -> torch.Tensor:
         piece = self.state_dict.get(read_item.dest_index.fqn)
         if isinstance(piece, FlatPiece) and piece.source is not None:  # filled here, then written to the file
-            return host_buffer(int(read_item.lengths[0]), piece.tensor.dtype)
+            return piece.source.buffer(int(read_item.lengths[0]), piece.tensor.dtype)
         return super().resolve_tensor(read_item)
 
     def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
@@ -228,9 +252,31 @@ def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+class _BucketedWriter(dcp.FileSystemWriter):
+    """DCP's file writer with one file per bucket of pieces (see [Note: one file per group]).
+
+    [Note: one file per group]
+    DCP's file writer keeps every tensor it has written into a file until that file is complete (torch
+    2.13 collects them for its safetensors format whatever the format). With one file per rank, a save
+    would hold the rank's whole checkpoint in memory, exactly what sharding and offload avoid. So each
+    rank writes one file per flat group (its pieces of the group's parameters and optimizer state, about
+    one unit), and at most one group's pieces are alive at once. Loading reads any number of files."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        buckets: dict[str, list] = {}
+        for item in plan.items:
+            value = planner.state_dict.get(item.index.fqn)
+            buckets.setdefault(value.bucket if isinstance(value, FlatPiece) else "", []).append(item)
+        files: queue.Queue = queue.Queue()
+        for count, items in enumerate(buckets.values()):
+            name = f"{plan.storage_data.prefix}{count}{DEFAULT_SUFFIX}"
+            files.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, files)
+
+
 def save_pieces(state: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None) -> None:
     """Each rank of ``group`` writes its ``FlatPiece``s (and, once, any plain tensor) into ``path``."""
-    writer = dcp.FileSystemWriter(path, sync_files=True, single_file_per_rank=True)
+    writer = _BucketedWriter(path, sync_files=True, single_file_per_rank=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # one process: no group
         dcp.save(state, storage_writer=writer, planner=_PieceSavePlanner(), process_group=group,

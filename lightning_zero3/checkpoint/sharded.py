@@ -44,14 +44,14 @@ def _on_disk(group: FlatGroup) -> bool:
 
 def _piece(group: FlatGroup, slot: ParamSlot, tensor: torch.Tensor) -> FlatPiece:
     start = slot.piece_start(group.comm.rank, group.shard_numel)
-    return FlatPiece(tensor, start, slot.numel, tuple(slot.param.shape))
+    return FlatPiece(tensor, start, slot.numel, tuple(slot.param.shape), bucket=group.name)
 
 
 def _file_piece(group: FlatGroup, slot: ParamSlot, kind: str) -> FlatPiece:
     """This rank's piece of ``slot`` in the swap file of ``kind`` (the master, or an optimizer state)."""
     file, offset, dtype = group.store.file_range(kind, slot.lo, slot.hi)
     piece = _piece(group, slot, torch.empty(slot.hi - slot.lo, dtype=dtype, device="meta"))
-    piece.source = FileRange(file, offset)
+    piece.source = FileRange(file, offset, group.ledger)
     return piece
 
 

@@ -29,6 +29,7 @@ from .hooks import HookManager, UnitRuntime
 from .materialize import InitFn, Materializer, has_meta_tensors
 from .memory import (
     GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, drop_pages, optimizer_state_bytes, resident_bytes,
+    return_free_heap,
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
 from .optim import optimizer_params, shard_optimizer
@@ -222,6 +223,7 @@ class Zero3Engine:
                 if group.gathered:
                     group.gather(force=True)
             self.note_optimizer_state()
+            return_free_heap()  # [Note: the heap between phases] in memory.py
 
         return hook
 
@@ -284,6 +286,7 @@ class Zero3Engine:
             if runtime.group.source is not None:
                 runtime.group.source.refresh()
         self.refresh_gathered()
+        return_free_heap()
 
     def keep_host_kernel(self, optimizer: torch.optim.Optimizer) -> None:
         """Call after ``optimizer.load_state_dict``, which brings back the user's ``fused`` / ``foreach``
@@ -372,6 +375,7 @@ class Zero3Engine:
                         runtime.group.write_back(src=modifier_rank)
                     runtime.context_holds -= 1
                     runtime.maybe_release()
+            return_free_heap()  # [Note: the heap between phases] in memory.py
 
     # -- full state dicts ---------------------------------------------------------------------------
 
@@ -452,6 +456,7 @@ class Zero3Engine:
         if self.offload is not None:
             self.offload.settle()
             self.offload.host.trim()
+        return_free_heap()
 
     # -- teardown ---------------------------------------------------------------------------------
 

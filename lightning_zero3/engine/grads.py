@@ -26,7 +26,7 @@ def pack_gradients(group: FlatGroup, comm: Communicator) -> Optional[torch.Tenso
     size; the parameters' own ``.grad`` are freed. None when the group has nothing trainable."""
     if not group.trainable:
         return None
-    flat = torch.zeros(group.full.numel(), dtype=group.reduce_dtype, device=group.shard.device)
+    flat = group.pool.take(group.full.numel(), group.reduce_dtype, group.shard.device, zero=True)
     for slot in group.trainable_slots:
         grad = slot.param.grad
         if grad is not None:
@@ -47,35 +47,37 @@ def reduce_packed(
     the input is laid out rank-major, ``[g1 slice 0 | g2 slice 0 | ... | g1 slice 1 | g2 slice 1 | ...]``,
     so rank r receives ``[g1 slice r | g2 slice r | ...]``: each group's shard, side by side.
     """
+    pool = packed[0][0].pool  # every buffer here is a staging buffer, back to the pool once done
     if len(packed) == 1:
         group, flat = packed[0]
-        reduced = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
+        reduced = pool.take(group.shard_numel, flat.dtype, flat.device)
         pending = comm.reduce_scatter(reduced, flat, async_op=True)
         assert pending is not None
-        return _Accumulation(pending, [(group, reduced)], [flat]).finish(async_op)
+        return _Accumulation(pending, [(group, reduced)], [flat], reduced).finish(async_op)
     world = comm.world_size
     widths = [group.shard_numel for group, _ in packed]
     first = packed[0][1]
-    rank_major = torch.empty(world, sum(widths), dtype=first.dtype, device=first.device)
+    rank_major = pool.take(world * sum(widths), first.dtype, first.device).view(world, sum(widths))
     offset = 0
     pieces = []
     for (group, flat), width in zip(packed, widths):
         rank_major[:, offset : offset + width].copy_(flat.view(world, width))
+        pool.give(flat)
         pieces.append((group, offset, width))
         offset += width
-    reduced = torch.empty(offset, dtype=first.dtype, device=first.device)
+    reduced = pool.take(offset, first.dtype, first.device)
     pending = comm.reduce_scatter(reduced, rank_major.view(-1), async_op=True)
     assert pending is not None
     results = [(group, reduced[start : start + width]) for group, start, width in pieces]
-    return _Accumulation(pending, results, [rank_major]).finish(async_op)
+    return _Accumulation(pending, results, [rank_major.view(-1)], reduced).finish(async_op)
 
 
 class _Accumulation:
     """A reduce-scatter in flight and what to do with its result: add each group's slice into its shard
     gradients. ``keep`` holds the buffers the collective reads until it completes."""
 
-    def __init__(self, pending: Pending, results: list[tuple[FlatGroup, torch.Tensor]], keep: list) -> None:
-        self.pending, self.results, self.keep = pending, results, keep
+    def __init__(self, pending: Pending, results: list[tuple[FlatGroup, torch.Tensor]], keep: list, reduced: torch.Tensor) -> None:
+        self.pending, self.results, self.keep, self.reduced = pending, results, keep, reduced
         self.done = False
 
     def finish(self, async_op: bool) -> Optional["_Accumulation"]:
@@ -88,16 +90,33 @@ class _Accumulation:
         if self.done:
             return
         self.pending.wait()
+        pool = self.results[0][0].pool
+        for buffer in self.keep:
+            pool.give(buffer)
+        # ``reduced`` goes back once every copy reading it (to an offload tier) has completed
+        readers = [len(self.results)]
+
+        def read() -> None:
+            readers[0] -= 1
+            if readers[0] == 0:
+                pool.give(self.reduced)
+
         for group, reduced in self.results:
-            _accumulate(group, reduced)
+            _accumulate(group, reduced, read)
         self.results, self.keep = [], []
         self.done = True
 
 
-def _accumulate(group: FlatGroup, reduced: torch.Tensor) -> None:
+def _accumulate(group: FlatGroup, reduced: torch.Tensor, read) -> None:
+    """Add ``reduced`` into the group's gradient shard; ``read()`` once nothing reads ``reduced`` any more."""
     if group.store is not None:  # offload: the gradient shard lives with the master
-        group.store.accumulate(reduced)
+        group.store.accumulate(reduced, read)
         return
+    _accumulate_on_device(group, reduced)
+    read()
+
+
+def _accumulate_on_device(group: FlatGroup, reduced: torch.Tensor) -> None:
     for slot in group.trainable_slots:
         if slot.hi == slot.lo:
             continue

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import nn
 
-from ..memory import OFFLOAD_HOST, OFFLOAD_NVME, host_buffer
+from ..memory import OFFLOAD_HOST, OFFLOAD_NVME, host_buffer, return_free_heap
 from .aio import write_range
 
 if TYPE_CHECKING:
@@ -58,6 +58,16 @@ class ShardView:
     lo: int
     hi: int
     trainable: bool
+
+
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def empty_placeholder(dtype: torch.dtype) -> torch.Tensor:
+    """The 0-element tensor that stands for values waiting on disk (shared: it is never written)."""
+    if dtype not in _EMPTY:
+        _EMPTY[dtype] = torch.empty(0, dtype=dtype)
+    return _EMPTY[dtype]
 
 
 def state_kind(key: str) -> str:
@@ -78,8 +88,8 @@ class GroupStore:
         with torch.no_grad():
             self.master.copy_(initial)
         self.grad: Optional[torch.Tensor] = None  # the gradient shard, while in memory
-        self.grad_events: list = []  # device -> host gradient copies in flight ("cpu" tier)
-        self.late_adds: list[tuple[torch.Tensor, object]] = []  # accumulated slices still on their way to the host
+        self.grad_events: list = []  # (ticket, read): device -> host gradient copies in flight ("cpu" tier)
+        self.late_adds: list[tuple] = []  # (staging, ticket, read): accumulated slices still on their way to the host
         self.readers: list = []  # copies that read the master (uploads to the device) and may still run
         self.files: dict = {}
         self.writes: dict[str, Future] = {}  # kind -> the last write of that file, with its buffer
@@ -145,20 +155,26 @@ class GroupStore:
 
     # -- file transfers (NVMe tier) -----------------------------------------------------------------
 
-    def _write(self, kind: str, buffer: torch.Tensor, ready: Optional[Callable] = None, owned: bool = True) -> None:
-        """Write ``buffer`` to the file of ``kind``; ``owned``: it goes back to the host pool afterwards."""
+    def _write(
+        self, kind: str, buffer: torch.Tensor, ready: Optional[Callable] = None, owned: bool = True,
+        after: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """Write ``buffer`` to the file of ``kind``: ``ready()`` first, on the I/O thread; ``owned``: the
+        buffer goes back to the host pool once written; ``after()`` then, on this thread."""
         self._settle(kind)
-        self.writes[kind] = (self.offload.io.write(self.files[kind], buffer, ready=ready), owned)
+        self.writes[kind] = (self.offload.io.write(self.files[kind], buffer, ready=ready), owned, after)
         self.offload.writing.append(self)
 
     def _settle(self, kind: str) -> None:
         """Wait for the last write of ``kind`` (a read or a new write of that file must come after it)."""
         entry = self.writes.pop(kind, None)
         if entry is not None:
-            future, owned = entry
+            future, owned, after = entry
             buffer = self.offload.io.wait(future)
             if owned:
                 self.offload.host.give(buffer)
+            if after is not None:
+                after()
 
     def drain(self) -> None:
         """Wait for every write in flight and give its buffer back."""
@@ -237,6 +253,7 @@ class GroupStore:
             return
         self._wait_readers()  # the master buffer goes back to the pool once written
         states = self.states
+        created = False  # the optimizer made its state this step (on the heap): see below
         for state in self._optimizer_states():
             for view in self.views:
                 entry = state.get(view.param)
@@ -246,6 +263,7 @@ class GroupStore:
                     if key not in states:
                         states[key] = self.offload.host.take(self.numel, value.dtype, zero=True)
                         self.ensure_state(key, value.dtype)
+                        created = True
                     target = states[key][view.lo : view.hi]
                     if value.data_ptr() != target.data_ptr():
                         target.copy_(value.reshape(-1))
@@ -259,19 +277,22 @@ class GroupStore:
                 self.offload.host.give(self.grad)
         self.states = {}
         self._evict()
+        if created:  # the optimizer's own state tensors (heap) were copied into our buffers and dropped
+            return_free_heap()  # [Note: the heap between phases] in memory.py
 
     def _evict(self) -> None:
-        """Placeholders in place of everything now on disk (see [Note: NVMe-tier residency])."""
+        """Placeholders in place of everything now on disk (see [Note: NVMe-tier residency]); one empty
+        tensor per dtype serves them all, so evicting allocates nothing."""
         for state in self._optimizer_states():
             for view in self.views:
                 entry = state.get(view.param)
                 for key in self.state_dtypes:
                     if entry is not None and key in entry:
-                        entry[key] = torch.empty(0, dtype=self.state_dtypes[key])
+                        entry[key] = empty_placeholder(self.state_dtypes[key])
         for view in self.views:
             p = view.param
             p.grad = None
-            p.data = torch.empty(0, dtype=self.dtype)
+            p.data = empty_placeholder(self.dtype)
             if self.grad_on_disk and view.trainable and id(p) in self.markers:
                 self._set_marker(p)
         self.master = None
@@ -325,22 +346,24 @@ class GroupStore:
             return self.grad_on_disk and not self._grads_fresh()
         return any(v.param.grad is not None for v in self.trainable_views) or bool(self.late_adds)
 
-    def accumulate(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced gradient slice (on the device) into the group's gradient shard."""
+    def accumulate(self, reduced: torch.Tensor, read: Callable[[], None] = lambda: None) -> None:
+        """Add this rank's reduced gradient slice (on the device) into the group's gradient shard; ``read()``
+        is called once the copy from ``reduced`` has completed (it may then be reused)."""
         if not self.offload.nvme:
-            self._accumulate_in_host_memory(reduced)
+            self._accumulate_in_host_memory(reduced, read)
         elif self.resident:  # inside states_in_memory(): plain in-memory accumulation
             self._accumulate_resident(reduced)
+            read()
         else:
-            self._accumulate_on_disk(reduced)
+            self._accumulate_on_disk(reduced, read)
 
-    def _accumulate_in_host_memory(self, reduced: torch.Tensor) -> None:
+    def _accumulate_in_host_memory(self, reduced: torch.Tensor, read: Callable[[], None]) -> None:
         copies = self.offload.copies
         fresh = [v for v in self.trainable_views if v.hi > v.lo and v.param.grad is None]
         if len(fresh) == len([v for v in self.trainable_views if v.hi > v.lo]):
             # the first micro-batch: the slice is the gradient, copied straight into the host shard
             self._drop_late_adds()  # left by micro-batches whose step never came (zero_grad ran since)
-            self.grad_events.append(copies.copy(self.grad, reduced))
+            self.grad_events.append((copies.copy(self.grad, reduced), read))
             for view in fresh:
                 view.param.grad = self.grad[view.lo : view.hi]
             return
@@ -352,21 +375,24 @@ class GroupStore:
         # accumulation: the slice travels to a staging buffer without blocking the host, and is added
         # when the gradient is next needed (``wait_grads``)
         staging = self.offload.host.take(self.numel, self.dtype)
-        self.late_adds.append((staging, copies.copy(staging, reduced)))
+        self.late_adds.append((staging, copies.copy(staging, reduced), read))
 
-    def _accumulate_on_disk(self, reduced: torch.Tensor) -> None:
+    def _accumulate_on_disk(self, reduced: torch.Tensor, read: Callable[[], None]) -> None:
         copies = self.offload.copies
         host = self.offload.host.take(self.numel, self.dtype)
         event = copies.copy(host, reduced)
+        ready: Optional[Callable] = lambda: copies.wait_on_host(event)  # noqa: E731 (on the I/O thread)
+        after: Optional[Callable] = read  # once written, back on this thread: ``reduced`` may be reused
         if self.grad_on_disk and not self._grads_fresh():
             self._read(GRAD, self.dtype)
             future, stored = self.reads.pop(GRAD)
             self.offload.io.wait(future)
             copies.wait_on_host(event)
+            read()
             host.add_(stored)
             self.offload.host.give(stored)
-            event = None
-        self._write(GRAD, host, ready=lambda: copies.wait_on_host(event))
+            ready = after = None
+        self._write(GRAD, host, ready=ready, after=after)
         self.offload.throttle(self.offload.buffer_count)
         self.grad_on_disk = True
         for view in self.trainable_views:
@@ -391,18 +417,21 @@ class GroupStore:
         """Block until every device -> host gradient copy has landed and pending accumulations are added
         (before anything on the host reads or rewrites the gradient shard)."""
         copies = self.offload.copies
-        for event in self.grad_events:
+        for event, read in self.grad_events:
             copies.wait_on_host(event)
+            read()
         self.grad_events = []
-        for staging, event in self.late_adds:
+        for staging, event, read in self.late_adds:
             copies.wait_on_host(event)
+            read()
             self.grad.add_(staging)
             self.offload.host.give(staging)
         self.late_adds = []
 
     def _drop_late_adds(self) -> None:
-        for staging, event in self.late_adds:
+        for staging, event, read in self.late_adds:
             self.offload.copies.wait_on_host(event)  # the copy must be done before the buffer is reused
+            read()
             self.offload.host.give(staging)
         self.late_adds = []
 
