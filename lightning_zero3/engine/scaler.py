@@ -5,10 +5,19 @@ backward the shard gradients are divided by ``scale`` and checked for inf/NaN. E
 shard, so the "found inf" flag is all-reduced (max): every rank then skips the same step and moves the
 scale the same way, and the scale stays identical everywhere. Same rules as ``torch.amp.GradScaler``:
 halve on overflow, double after ``growth_interval`` clean steps.
+
+[Note: one host read per step]
+Asking "is this gradient finite?" of each shard in Python reads a device flag back to the host once per
+shard: on CUDA, a sync per tensor, each one draining the stream. Instead the gradients are unscaled and
+checked in groups of one device and dtype by ``torch._amp_foreach_non_finite_check_and_unscale_`` (the
+kernel ``torch.amp.GradScaler`` uses, for CPU and CUDA), which raises a flag tensor on that device
+without telling the host. The flags are folded into one tensor on the group's device, all-reduced, and
+read once.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
@@ -41,16 +50,24 @@ class ShardedLossScaler:
         return loss * self.scale
 
     def unscale_and_check(self, params: Iterable[torch.Tensor], comm: Communicator) -> bool:
-        """Divide the gradients by the scale; True when any rank found a non-finite gradient."""
-        grads = [p.grad for p in params if p.grad is not None]
+        """Divide the gradients by the scale; True when any rank found a non-finite gradient.
+        See [Note: one host read per step]."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            if p.grad is not None and p.grad.numel():
+                groups[(p.grad.device, p.grad.dtype)].append(p.grad)
         found = torch.zeros(1, device=comm.device)  # offloaded gradients sit on the host
-        inverse = 1.0 / self.scale
-        for grad in grads:
-            grad.mul_(inverse)
-            if grad.numel() and not torch.isfinite(grad).all():
-                found.fill_(1.0)
+        flags: dict[torch.device, torch.Tensor] = {}
+        for (device, _dtype), grads in groups.items():
+            if device not in flags:
+                flags[device] = found if device == found.device else torch.zeros(1, device=device)
+            inverse = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], inverse)
+        for flag in flags.values():
+            if flag is not found:
+                found += flag.to(found.device)
         comm.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item())
+        return bool(found.item())  # the step's one host read
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
