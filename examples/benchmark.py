@@ -181,7 +181,8 @@ def table(summary: dict, args) -> str:
     cfg = summary["config"]
     out.append(
         f"\nGPT {cfg['n_layer']} layers x {cfg['n_embd']} wide, {args.devices} {args.accelerator.upper()} ranks, "
-        f"batch {cfg['batch_size']} x {cfg['block_size']} tokens per rank, {args.precision} AdamW; median over {cfg['runs']} runs of "
+        f"batch {cfg['batch_size']} x {cfg['block_size']} tokens per rank, {args.precision} AdamW; "
+        f"median over {cfg['runs']} runs of "
         f"{cfg['steps'] - cfg['warmup']} timed steps."
     )
     return "\n".join(out)

@@ -180,8 +180,9 @@ def monitors_verdict(memory: dict, comm: dict) -> tuple[bool, str]:
         f"fragmentation {mem['fragmentation']:.3f}, slack {mem['cached_slack']:.2f}, retries {mem['alloc_retries']:.0f}"
     ]  # fmt: skip
     for kind in ("all_gather", "reduce_scatter"):
-        fig = {name: comm.get(f"zero3/comm/{kind}/{name}/mean") for name in ("count", "bytes", "seconds", "busbw_GBps", "utilization")}
-        if None in fig.values() or not (fig["count"] > 0 and fig["seconds"] > 0 and 0 < fig["utilization"] < math.inf):
+        names = ("count", "bytes", "seconds", "busbw_GBps", "utilization")
+        fig = {name: comm.get(f"zero3/comm/{kind}/{name}/mean") for name in names}
+        if None in fig.values() or not (fig["count"] > 0 < fig["seconds"] and 0 < fig["utilization"] < math.inf):
             problems.append(f"{kind} figures missing or not positive: {fig}")
             continue
         parts.append(f"{kind} {fig['count']:.0f} calls, {fig['bytes'] / 2**20:.1f} MiB, {fig['seconds'] * 1e3:.2f} ms, "
@@ -478,7 +479,8 @@ def collective_timing() -> dict:
         torch.cuda._sleep(cycles)  # one block spinning on the compute stream: the collective runs beside it
         pending.wait()
         overlapped = comm.stats["all_gather"]
-        result |= {"spin_s": spin_s, "overlapped_s": overlapped.seconds, "overlapped_exposed_s": overlapped.exposed_seconds}
+        result |= {"spin_s": spin_s, "overlapped_s": overlapped.seconds,
+                   "overlapped_exposed_s": overlapped.exposed_seconds}  # fmt: skip
         result["peak_busbw"] = comm.measure_peaks()[("all_gather", full.numel() * 4)]
         return result
     finally:

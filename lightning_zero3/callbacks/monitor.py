@@ -3,8 +3,8 @@
 Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) each rank computes
 its figures; a torchmetrics ``CatMetric`` gathers them from all ranks of the engine's group (one
 collective per monitor, at the same step on every rank), on the device that group's collectives run on
-(``engine.comm.device``: an NCCL group cannot all-gather host tensors), and rank 0 logs each figure's mean and max over the ranks through the
-Trainer's loggers as ``zero3/<section>/<figure>/mean`` and ``.../max``. A figure that is undefined for
+(``engine.comm.device``: an NCCL group cannot all-gather host tensors), and rank 0 logs each figure's
+mean and max over the ranks through the Trainer's loggers as ``zero3/<section>/<figure>/mean`` and ``.../max``. A figure that is undefined for
 an interval (say a bandwidth with no collective of that kind) is NaN on every rank and is not logged.
 
 Advice: ``advise`` returns ``(key, message)`` pairs; each key is warned about once per run, and written as

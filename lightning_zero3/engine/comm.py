@@ -14,9 +14,9 @@ same code path.
 Backends differ per operation and message size (gloo's reduce-scatter, for one, can lose to an
 all-reduce of the same buffer). ``tune`` times each way of doing an all-gather and a reduce-scatter at
 the message sizes the engine will use: a warm-up call, then ``repeats`` calls, each timed on the host
-from the call to the end of the device's work (the whole cost a way adds, its finisher's copy included). Per rank it
-takes the median (one stray slow call on a shared machine does not decide), then the slowest rank's
-median (a collective is over when it is over everywhere, and a MAX all-reduce gives every rank the same
+from the call to the end of the device's work (the whole cost a way adds, its finisher's copy
+included). Per rank it takes the median (one stray slow call on a shared machine does not decide), then
+the slowest rank's median (a collective is over when it is over everywhere, and a MAX all-reduce gives every rank the same
 figures, so all ranks pick the same way), and keeps the fastest way per (kind, size).
 
 [Note: peak bandwidth]
@@ -235,18 +235,18 @@ class Communicator:
     # -- small synchronous collectives ------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        span, work = self.clock.span(), None
+        span, work, nbytes = self.clock.span(), None, tensor.numel() * tensor.element_size()
         if self.distributed:
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        Pending(self, work, span, self._sinks("all_reduce", tensor), tensor.numel() * tensor.element_size(), None).wait()
+        Pending(self, work, span, self._sinks("all_reduce", tensor), nbytes, None).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        span, work = self.clock.span(), None
+        span, work, nbytes = self.clock.span(), None, tensor.numel() * tensor.element_size()
         if self.distributed:
             root = dist.get_global_rank(self.group, src) if self.group else src
             work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
-        Pending(self, work, span, self._sinks("broadcast", tensor), tensor.numel() * tensor.element_size(), None).wait()
+        Pending(self, work, span, self._sinks("broadcast", tensor), nbytes, None).wait()
         return tensor
 
     def all_gather_objects(self, obj: Any) -> list:
