@@ -3,6 +3,7 @@
     python examples/benchmark.py                       # ~20M-parameter GPT, 2 CPU ranks, 3 runs each
     python examples/benchmark.py --runs 5 --steps 30   # more samples
     python examples/benchmark.py --n-layer 2 --n-embd 64 --steps 6 --runs 1   # a quick look
+    python examples/benchmark.py --accelerator cuda --devices 1 --precision bf16-mixed --strategies zero3,ddp,fsdp2
 
 Every strategy trains the same GPT on the same data for the same steps, with the same seed; the runs
 alternate between strategies (A B C D, B C D A, ...) so that drift of the machine hits all alike. Each
@@ -40,7 +41,7 @@ sys.path.insert(0, str(HERE))
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed")
 # what a worker needs to know of the parent's arguments
 WORKER_ARGS = ("steps", "warmup", "devices", "batch_size", "block_size", "n_layer", "n_embd", "n_head", "vocab_size",
-               "zero3")  # fmt: skip
+               "zero3", "accelerator", "precision")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="zero3, ddp and fsdp2 only")
+    p.add_argument("--precision", default="32-true", help="Lightning's precision flag (zero3, ddp and fsdp2 only)")
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=8)
@@ -177,8 +180,9 @@ def table(summary: dict, args) -> str:
     out.insert(1, "-+-".join("-" * width for width in widths))
     cfg = summary["config"]
     out.append(
-        f"\nGPT {cfg['n_layer']} layers x {cfg['n_embd']} wide, {args.devices} CPU ranks, batch {cfg['batch_size']}"
-        f" x {cfg['block_size']} tokens per rank, fp32 AdamW; median over {cfg['runs']} runs of "
+        f"\nGPT {cfg['n_layer']} layers x {cfg['n_embd']} wide, {args.devices} {args.accelerator.upper()} ranks, "
+        f"batch {cfg['batch_size']} x {cfg['block_size']} tokens per rank, {args.precision} AdamW; "
+        f"median over {cfg['runs']} runs of "
         f"{cfg['steps'] - cfg['warmup']} timed steps."
     )
     return "\n".join(out)
@@ -260,6 +264,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == args.warmup:
                 self.comm_at_warmup = exposed_seconds(trainer)
+            finish_device_work(trainer)
             self._start = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -275,10 +280,15 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
             self.comm_at_end = exposed_seconds(trainer)  # before teardown closes the engine
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            finish_device_work(trainer)  # a GPU step ends when its kernels do, not when they are queued
             elapsed = time.perf_counter() - self._start
             if batch_idx >= args.warmup:
                 self.step_times.append(elapsed)
             self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+    def finish_device_work(trainer):
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
 
     def exposed_seconds(trainer):
         engine = getattr(trainer.strategy, "engine", None)
@@ -292,15 +302,16 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
         "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
     }[strategy]()
     probe = Probe()
-    trainer = pl.Trainer(strategy=chosen, accelerator="cpu", devices=args.devices, max_steps=args.steps,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = pl.Trainer(strategy=chosen, accelerator=args.accelerator, devices=args.devices, max_steps=args.steps,
+                         precision=args.precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[probe])  # fmt: skip
     trainer.fit(model, DataLoader(dataset(args), batch_size=args.batch_size))
     exposed = None
     if probe.comm_at_warmup is not None:
         exposed = (probe.comm_at_end - probe.comm_at_warmup) / len(probe.step_times)
-    rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64)
-    state = torch.tensor([probe.model_state], dtype=torch.float64)
+    device = trainer.strategy.root_device  # an NCCL group reduces device tensors only
+    rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=device)
+    state = torch.tensor([probe.model_state], dtype=torch.float64, device=device)
     rss, state = (trainer.strategy.reduce(t, reduce_op="max") for t in (rss, state))
     if trainer.is_global_zero:
         write_result(args, probe.step_times, probe.losses, int(rss.item()), int(state.item()), exposed)

@@ -81,9 +81,9 @@ def test_comm_figures_per_collective_kind(run):
             assert nbytes[step] > 0 and seconds[step] > 0 and exposed[step] >= 0
         for how in ("mean", "max"):
             for value in _series(events, f"zero3/comm/{kind}/utilization/{how}").values():
-                # against the best of a few synchronous runs at the same sizes: noise on a shared CPU
-                # machine lets a lucky interval edge past its peak
-                assert 0 < value <= 1 + 1e-9  # the peak is the best busbw seen at that size
+                # logged as it is, no bound: above 1 only says the start-up peak came in low (see
+                # test_comm_timing.py for how it moves with the collectives' speed)
+                assert 0 < value < math.inf
     for value in _series(events, "zero3/comm/prefetch_hit_rate/mean").values():
         assert 0 <= value <= 1
     # the logged figures are the last ones rank 0 logged
@@ -105,6 +105,10 @@ def test_advice_and_custom_scalars_layout(run):
     for kind in ("all_gather", "reduce_scatter"):
         low = any(v < 0.7 for v in _series(events, f"zero3/comm/{kind}/utilization/mean").values())
         assert low == any(f"{kind}_utilization" in t for t in advice)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
+        tag = f"zero3/comm/{kind}/utilization/mean"
+        high = tag in events.Tags()["scalars"] and any(v > 1 for v in _series(events, tag).values())
+        assert high == any(f"{kind}_peak" in t for t in advice)  # a beaten peak is flagged, once
 
 
 def test_sharded_init_in_configure_model_trains(run):

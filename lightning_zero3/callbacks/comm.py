@@ -2,21 +2,26 @@
 
 Per collective kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``), over the steps
 since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max`` over the ranks):
-  - ``bytes``, ``count``, ``seconds`` (issue to completion, see [Note: completion time] in
-    ``engine/comm.py``), ``exposed_seconds`` (time compute sat waiting for it);
+  - ``bytes``, ``count``, ``seconds`` (issue to completion: the host's clock on gloo, device events on
+    CUDA, see [Note: completion time] in ``engine/timing.py``), ``exposed_seconds`` (time the compute
+    side waited for it);
   - ``algbw_GBps`` = bytes / seconds, with bytes the full (gathered or pre-scatter) buffer, and
     ``busbw_GBps`` = algbw x (n-1)/n for all-gather and reduce-scatter, x 2(n-1)/n for all-reduce
     (nccl-tests' ``PERFORMANCE.md``; n = the engine's group size);
   - ``utilization``: busbw against the peak busbw measured for the same kind and message size on this
     job's group at start-up, right after the first step, when the sizes this job uses are known
-    (``Communicator.measure_peaks``; a size first seen later is measured then), weighted by message:
-    sum(bytes_s / peak_algbw_s) / sum(seconds_s) over the sizes s. When training itself reaches a higher
-    busbw at some size than the start-up measurement did (a measurement on a busy machine can come in
-    low), that becomes the size's peak: utilization never exceeds 1.
+    (``Communicator.measure_peaks``, like nccl-tests: warm-up calls, then ``peak_repeats`` timed calls,
+    the slowest rank's median, see [Note: peak bandwidth] in ``engine/comm.py``; a size first seen later
+    is measured then), weighted by message: sum(bytes_s / peak_algbw_s) / sum(seconds_s) over the sizes
+    s. It is logged as it is: above 1, training beat the measured peak, which means the peak measurement
+    is off (taken while the machine was busy, or from too few calls), and the monitor warns once per
+    kind, with how to measure again.
 And ``zero3/comm/prefetch_hit_rate``: the share of unit starts whose parameters were already gathered
 or in flight.
 
-Advice when an all-gather or reduce-scatter runs below ``utilization_threshold`` (default 0.7) of peak.
+Advice when an all-gather or reduce-scatter runs below ``utilization_threshold`` (default 0.7) of peak,
+and when any kind's utilization, averaged over ranks, exceeds 1. (The mean over ranks, not one rank's
+figure: the rank that arrives last at a collective waits least for it, and can beat a true peak.)
 """
 
 from __future__ import annotations
@@ -49,13 +54,14 @@ class CommMonitor(Zero3Monitor):
         every_n_steps: Optimizer steps between logs; ``None``: the Trainer's ``log_every_n_steps``.
         utilization_threshold: Warn (once per collective kind) and write advice to TensorBoard when an
             all-gather or reduce-scatter reaches less than this fraction of its measured peak busbw.
-        peak_repeats: Timed repetitions per message size when measuring the peak bandwidth.
+        peak_repeats: Timed calls per message size when measuring the peak bandwidth (after two
+            untimed ones); raise it when the monitor warns that the peak measurement is off.
     """
 
     section = "comm"
 
     def __init__(
-        self, every_n_steps: Optional[int] = None, utilization_threshold: float = 0.7, peak_repeats: int = 3
+        self, every_n_steps: Optional[int] = None, utilization_threshold: float = 0.7, peak_repeats: int = 5
     ) -> None:
         super().__init__(every_n_steps)
         if not 0 < utilization_threshold <= 1:
@@ -114,9 +120,6 @@ class CommMonitor(Zero3Monitor):
             if nbytes - b0 <= 0 or seconds - s0 <= 0:
                 continue
             factor = self.engine.comm.bus_factor(kind)
-            reached = (nbytes - b0) / (seconds - s0) * factor
-            if reached > peaks[key]:  # the start-up measurement came in low (a busy machine): raise the peak
-                peaks[key] = self.engine.comm.peak_busbw[key] = reached
             ideal += (nbytes - b0) / (peaks[key] / factor)
             actual += seconds - s0
         return ideal / actual if actual > 0 else NAN
@@ -131,6 +134,17 @@ class CommMonitor(Zero3Monitor):
                     f"{kind} ran at {utilization:.0%} of the peak bus bandwidth measured on this job's group for "
                     f"its message sizes (threshold {self.utilization_threshold:.0%}), averaged over ranks: its "
                     f"messages are waiting behind compute or each other, or are too small. To change: {how}.",
+                ))
+        for kind in self.engine.comm.KINDS:
+            utilization = mean.get(f"{kind}/utilization", NAN)
+            if math.isfinite(utilization) and utilization > 1:
+                advice.append((
+                    f"{kind}_peak",
+                    f"{kind} reached {utilization:.0%} of the peak bus bandwidth measured at start-up for its message "
+                    f"sizes, averaged over ranks: training cannot beat a true peak, so the peak measurement is off "
+                    f"(measured while something else used the devices or links, or from too few calls). The "
+                    f"utilization is logged as it is. To measure again: raise `CommMonitor(peak_repeats=...)` "
+                    f"(now {self.peak_repeats}) and start the job when nothing else runs on its machines.",
                 ))
         return advice
 

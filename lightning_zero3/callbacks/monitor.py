@@ -1,9 +1,10 @@
 """What the zero3 monitors share: when they log, how figures are aggregated across ranks, where they go.
 
 Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) each rank computes
-its figures; a torchmetrics ``CatMetric`` gathers them from all ranks (one collective per monitor, at
-the same step on every rank), and rank 0 logs each figure's mean and max over the ranks through the
-Trainer's loggers as ``zero3/<section>/<figure>/mean`` and ``.../max``. A figure that is undefined for
+its figures; a torchmetrics ``CatMetric`` gathers them from all ranks of the engine's group (one
+collective per monitor, at the same step on every rank), on the device that group's collectives run on
+(``engine.comm.device``: an NCCL group cannot all-gather host tensors), and rank 0 logs each figure's
+mean and max over the ranks through the Trainer's loggers as ``zero3/<section>/<figure>/mean`` and ``.../max``. A figure that is undefined for
 an interval (say a bandwidth with no collective of that kind) is NaN on every rank and is not logged.
 
 Advice: ``advise`` returns ``(key, message)`` pairs; each key is warned about once per run, and written as
@@ -44,6 +45,7 @@ class Zero3Monitor(Callback):
         self._last_step = -1
         self._warned: set[str] = set()
         self._aggregate: Optional[CatMetric] = None
+        self._device = torch.device("cpu")  # where the figures are gathered: the engine group's device
         self.engine: Any = None
         self.last_logged: dict[str, float] = {}  # what rank 0 logged last (for tests and scripts)
 
@@ -73,7 +75,9 @@ class Zero3Monitor(Callback):
             )
         self._every = self.every_n_steps or trainer.log_every_n_steps or 1
         self._last_step = trainer.global_step
-        self._aggregate = CatMetric(nan_strategy="disable").to(pl_module.device)
+        comm = self.engine.comm
+        self._device = comm.device
+        self._aggregate = CatMetric(nan_strategy="disable", process_group=comm.group).to(self._device)
         self.start(trainer)
         if trainer.is_global_zero:
             _write_layout(trainer, self.layout())
@@ -99,10 +103,14 @@ class Zero3Monitor(Callback):
 
     # -- helpers ----------------------------------------------------------------------------------
 
+    def _row(self, figures: Figures) -> torch.Tensor:
+        """This rank's figures as one row, on the device the engine's group gathers on."""
+        return torch.tensor(list(figures.values()), dtype=torch.float64, device=self._device)
+
     def _across_ranks(self, figures: Figures) -> tuple[Figures, Figures]:
         assert self._aggregate is not None
         names = list(figures)
-        self._aggregate.update(torch.tensor([figures[n] for n in names], dtype=torch.float64))
+        self._aggregate.update(self._row(figures))
         table = self._aggregate.compute().reshape(-1, len(names))  # one row per rank (a collective)
         self._aggregate.reset()
         mean, maximum = table.mean(dim=0).tolist(), table.max(dim=0).values.tolist()

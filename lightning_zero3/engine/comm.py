@@ -2,8 +2,9 @@
 
 Every byte zero3 moves between ranks goes through a ``Communicator``. It records, per collective kind,
 how many calls, how many bytes, how many seconds from issue to completion, and how many of those
-seconds the caller actually sat waiting (*exposed* time; the rest overlapped with compute). Bytes are
-counted as nccl-tests counts them: the size of the full (gathered, or pre-scatter) buffer.
+seconds the compute side actually waited (*exposed* time; the rest overlapped with compute), on every
+backend: see [Note: completion time] in ``timing.py``. Bytes are counted as nccl-tests counts them:
+the size of the full (gathered, or pre-scatter) buffer.
 
 All-gathers and reduce-scatters may be issued asynchronously: the call returns a ``Pending`` whose
 ``wait()`` completes it. With a world of one rank the collectives are plain copies: the engine runs the
@@ -12,31 +13,38 @@ same code path.
 [Note: measured collective choice]
 Backends differ per operation and message size (gloo's reduce-scatter, for one, can lose to an
 all-reduce of the same buffer). ``tune`` times each way of doing an all-gather and a reduce-scatter at
-the message sizes the engine will use, takes every rank's worst time (so all ranks pick the same way),
-and keeps the fastest per (kind, size).
-
-[Note: completion time]
-An async collective's time runs from issue to *completion*. Where the backend's work object offers a
-future (gloo's all-gathers and all-reduces do), a done-callback stamps the moment it completed on the
-backend's own thread, so a collective that finished long before the caller waited is not charged the
-compute in between. Otherwise (gloo's reduce-scatter, NCCL, whose futures complete on stream
-synchronisation) the time runs to the end of ``wait()``, an upper bound.
+the message sizes the engine will use: a warm-up call, then ``repeats`` calls, each timed on the host
+from the call to the end of the device's work (the whole cost a way adds, its finisher's copy
+included). Per rank it takes the median (one stray slow call on a shared machine does not decide), then
+the slowest rank's median (a collective is over when it is over everywhere, and a MAX all-reduce gives every rank the same
+figures, so all ranks pick the same way), and keeps the fastest way per (kind, size).
 
 [Note: peak bandwidth]
-``measure_peaks`` times each (kind, size) this job has used, synchronously on the quiet group, and
-keeps the slowest rank's median: the busbw a collective of that size reaches here at best. Monitors
-divide the bandwidth reached in training by it (utilization); it is measured, never assumed.
+``measure_peaks`` times each (kind, size) this job has used as nccl-tests does: on the job's own group,
+at the job's own message sizes, synchronously (each call alone on the group), after ``warmup`` untimed
+calls, over ``repeats`` timed ones. Each call is timed by the same clock that times training's
+collectives, so utilization compares like with like. Per rank it keeps the median of the timed calls:
+a minimum is the luckiest of a few samples, which training is not expected to reach, and a mean is
+pulled by one stray slow call on a shared machine. Across ranks it keeps the slowest rank's median
+(MAX all-reduce): every rank holds the same peak, and a collective is over when its slowest rank is
+done. (nccl-tests averages a loop of back-to-back calls; a per-call median needs no loop here, because
+every call's own start and end are recorded.) Monitors divide the busbw training reaches by this peak
+(utilization); it is measured, never assumed, and never raised to what training reaches: training beating
+it means the measurement was off, and a monitor says so.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+
+from .timing import Clock, Span, clock_for
 
 
 @dataclass
@@ -46,7 +54,7 @@ class CollectiveStats:
     count: int = 0
     bytes: int = 0
     seconds: float = 0.0  # issue to completion
-    exposed_seconds: float = 0.0  # time the caller spent blocked waiting
+    exposed_seconds: float = 0.0  # time the compute side waited for it
 
     def add(self, nbytes: int, seconds: float, exposed: float) -> None:
         self.count += 1
@@ -56,39 +64,37 @@ class CollectiveStats:
 
 
 class Pending:
-    """An issued collective. ``wait()`` blocks until it completes (once), then runs its finisher."""
+    """An issued collective. ``wait()`` completes it (once), then runs its finisher; its time goes to the
+    communicator's totals once it can be read (see [Note: completion time] in ``timing.py``)."""
 
     def __init__(
-        self, work: Any, stats: list[CollectiveStats], nbytes: int, finish: Optional[Callable[[], None]]
+        self,
+        comm: "Communicator",
+        work: Any,
+        span: Span,
+        stats: list[CollectiveStats],
+        nbytes: int,
+        finish: Optional[Callable[[], None]],
     ) -> None:
+        self._comm = comm
         self._work = work
+        self._span = span
         self._stats = stats
         self._nbytes = nbytes
         self._finish = finish
-        self._issued = time.perf_counter()
-        self._completed: Optional[float] = None  # stamped by the backend's thread, see [Note: completion time]
         self.done = False
-        if work is not None and finish is None:
-            try:
-                work.get_future().add_done_callback(self._stamp)
-            except RuntimeError:  # this backend / op has no future
-                pass
-
-    def _stamp(self, _future: Any) -> None:
-        self._completed = time.perf_counter()
+        span.issued(work)
 
     def wait(self) -> None:
         if self.done:
             return
-        start = time.perf_counter()
+        self._span.waiting()
         if self._work is not None:
             self._work.wait()
+        self._span.waited()
         if self._finish is not None:
             self._finish()
-        end = time.perf_counter()
-        completed = min(self._completed, end) if self._completed is not None else end
-        for stats in self._stats:
-            stats.add(self._nbytes, completed - self._issued, end - start)
+        self._comm._record(self._span, self._stats, self._nbytes)
         self.done = True
 
 
@@ -116,19 +122,68 @@ class Communicator:
             self.world_size = dist.get_world_size(group)
         else:
             self.rank, self.world_size = 0, 1
-        self.stats = {kind: CollectiveStats() for kind in self.KINDS}
-        self.by_size: dict[tuple[str, int], CollectiveStats] = {}  # (kind, bytes) -> totals at that size
+        self._stats = {kind: CollectiveStats() for kind in self.KINDS}
+        self._by_size: dict[tuple[str, int], CollectiveStats] = {}  # (kind, bytes) -> totals at that size
         self._dtypes: dict[tuple[str, int], torch.dtype] = {}  # the dtype each (kind, bytes) was seen in
+        self._clock: Optional[Clock] = None  # chosen by the group's device on first use
+        self._timings: deque[tuple[Span, list[CollectiveStats], int]] = deque()  # waited, not yet added
         self.choice: dict[tuple[str, int], str] = {}  # (kind, bytes of the full buffer) -> way, by ``tune``
         self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
 
     def _sinks(self, kind: str, tensor: torch.Tensor) -> list[CollectiveStats]:
         """Where one collective of ``kind`` over ``tensor`` (the full buffer) is counted."""
         key = (kind, tensor.numel() * tensor.element_size())
-        if key not in self.by_size:
-            self.by_size[key] = CollectiveStats()
+        if key not in self._by_size:
+            self._by_size[key] = CollectiveStats()
             self._dtypes[key] = tensor.dtype
-        return [self.stats[kind], self.by_size[key]]
+        return [self._stats[kind], self._by_size[key]]
+
+    # -- time accounting ([Note: completion time] in timing.py) ----------------------------------
+
+    #: waited collectives held before the hot path drains those whose time can already be read
+    DRAIN_AT = 64
+
+    @property
+    def stats(self) -> dict[str, CollectiveStats]:
+        """Totals per collective kind, every waited collective's time included (on CUDA: one sync)."""
+        self.settle()
+        return self._stats
+
+    @property
+    def by_size(self) -> dict[tuple[str, int], CollectiveStats]:
+        """Totals per (kind, bytes of the full buffer), every waited collective's time included."""
+        self.settle()
+        return self._by_size
+
+    @property
+    def clock(self) -> Clock:
+        if self._clock is None:
+            self._clock = clock_for(self.device)
+        return self._clock
+
+    @property
+    def pending_timings(self) -> int:
+        """Waited collectives whose time is not in the totals yet."""
+        return len(self._timings)
+
+    def _record(self, span: Span, sinks: list[CollectiveStats], nbytes: int) -> None:
+        self._timings.append((span, sinks, nbytes))
+        if len(self._timings) > self.DRAIN_AT:
+            self.settle(block=False)
+
+    def settle(self, block: bool = True) -> None:
+        """Add waited collectives' times to the totals, in issue order; ``block=False``: only those whose
+        time can be read now (no device sync), stopping at the first that cannot."""
+        while self._timings:
+            span, sinks, nbytes = self._timings[0]
+            if not span.ready():
+                if not block:
+                    return
+                span.settle()
+            self._timings.popleft()
+            seconds, exposed = span.seconds(), span.exposed()
+            for stats in sinks:
+                stats.add(nbytes, seconds, exposed)
 
     def bus_factor(self, kind: str) -> float:
         return self.BUS_FACTOR[kind](self.world_size) if self.world_size > 1 else 1.0
@@ -142,22 +197,24 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Optional[Pending]:
         """Fill ``output`` (``world_size * shard.numel()`` elements) with every rank's ``shard`` in rank order."""
         nbytes = output.numel() * output.element_size()
+        span = self.clock.span()
         if not self.distributed:
             output.copy_(shard)
-            return self._finish(Pending(None, self._sinks("all_gather", output), nbytes, None), async_op)
+            return self._finish(Pending(self, None, span, self._sinks("all_gather", output), nbytes, None), async_op)
         way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0])
         if way == "all_gather_list":
             work = dist.all_gather(list(output.chunk(self.world_size)), shard, group=self.group, async_op=True)
         else:
             work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
-        return self._finish(Pending(work, self._sinks("all_gather", output), nbytes, None), async_op)
+        return self._finish(Pending(self, work, span, self._sinks("all_gather", output), nbytes, None), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Optional[Pending]:
         """Sum ``full`` over ranks and leave this rank's slice of the sum in ``output``."""
         nbytes = full.numel() * full.element_size()
+        span = self.clock.span()
         if not self.distributed:
             output.copy_(full)
-            return self._finish(Pending(None, self._sinks("reduce_scatter", full), nbytes, None), async_op)
+            return self._finish(Pending(self, None, span, self._sinks("reduce_scatter", full), nbytes, None), async_op)
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
         if way == "all_reduce_slice":
@@ -166,7 +223,7 @@ class Communicator:
             finish = lambda: output.copy_(full[start : start + output.numel()])  # noqa: E731
         else:
             work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._finish(Pending(work, self._sinks("reduce_scatter", full), nbytes, finish), async_op)
+        return self._finish(Pending(self, work, span, self._sinks("reduce_scatter", full), nbytes, finish), async_op)
 
     @staticmethod
     def _finish(pending: Pending, async_op: bool) -> Optional[Pending]:
@@ -178,21 +235,18 @@ class Communicator:
     # -- small synchronous collectives ------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        start = time.perf_counter()
+        span, work, nbytes = self.clock.span(), None, tensor.numel() * tensor.element_size()
         if self.distributed:
-            dist.all_reduce(tensor, op=op, group=self.group)
-        elapsed = time.perf_counter() - start
-        for stats in self._sinks("all_reduce", tensor):
-            stats.add(tensor.numel() * tensor.element_size(), elapsed, elapsed)
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        Pending(self, work, span, self._sinks("all_reduce", tensor), nbytes, None).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        start = time.perf_counter()
+        span, work, nbytes = self.clock.span(), None, tensor.numel() * tensor.element_size()
         if self.distributed:
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
-        elapsed = time.perf_counter() - start
-        for stats in self._sinks("broadcast", tensor):
-            stats.add(tensor.numel() * tensor.element_size(), elapsed, elapsed)
+            root = dist.get_global_rank(self.group, src) if self.group else src
+            work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
+        Pending(self, work, span, self._sinks("broadcast", tensor), nbytes, None).wait()
         return tensor
 
     def all_gather_objects(self, obj: Any) -> list:
@@ -213,7 +267,9 @@ class Communicator:
 
     @property
     def device(self) -> torch.device:
-        if self.distributed and dist.get_backend(self.group) == "nccl":
+        """Where this group's collectives run: the current CUDA device under NCCL (one rank too: an NCCL
+        group cannot move host tensors), the host otherwise."""
+        if dist.is_available() and dist.is_initialized() and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -232,23 +288,25 @@ class Communicator:
                 times = []
                 for way in ways:
                     self.choice[(kind, nbytes)] = way
-                    times.append(self._time(kind, full, shard, repeats))
+                    times.append(statistics.median(self._time(kind, full, shard, 1, repeats, recorded=False)))
                 worst = torch.tensor(times, dtype=torch.float64, device=self.device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)  # every rank decides alike
                 self.choice[(kind, nbytes)] = ways[int(torch.argmin(worst))]
         self.reset_stats()  # tuning traffic is not training traffic
 
     def reset_stats(self) -> None:
-        self.stats = {kind: CollectiveStats() for kind in self.KINDS}
-        self.by_size = {}
+        self._timings.clear()
+        self._stats = {kind: CollectiveStats() for kind in self.KINDS}
+        self._by_size = {}
         self._dtypes = {}
 
     # -- [Note: peak bandwidth] ----------------------------------------------------------------------
 
-    def measure_peaks(self, repeats: int = 3) -> dict[tuple[str, int], float]:
-        """Peak busbw (bytes/s) of every (kind, size) used so far, measured now on this group (a collective:
-        every rank must call it at the same point, after running the same collectives)."""
-        saved = self.stats, self.by_size, self._dtypes
+    def measure_peaks(self, repeats: int = 5, warmup: int = 2) -> dict[tuple[str, int], float]:
+        """Peak busbw (bytes/s) of every (kind, size) used so far and not measured yet, measured now on this
+        group (a collective: every rank must call it at the same point, after running the same collectives)."""
+        self.settle()  # training's waited collectives go to training's totals
+        saved = self._stats, self._by_size, self._dtypes
         self.reset_stats()
         for kind, nbytes in sorted(saved[1]):  # the same order on every rank
             if (kind, nbytes) in self.peak_busbw:
@@ -256,21 +314,23 @@ class Communicator:
             dtype = saved[2][(kind, nbytes)]
             full = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=self.device)
             shard = full[: full.numel() // self.world_size].clone()
-            best = self._time(kind, full, shard, repeats, recorded=True, pick=min)
-            seconds = torch.tensor([best], dtype=torch.float64, device=self.device)
+            mine = statistics.median(self._time(kind, full, shard, warmup, repeats, recorded=True))
+            seconds = torch.tensor([mine], dtype=torch.float64, device=self.device)
             if self.distributed:
-                dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.group)
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.group)  # the slowest rank's median
             self.peak_busbw[(kind, nbytes)] = nbytes / max(float(seconds), 1e-9) * self.bus_factor(kind)
-        self.stats, self.by_size, self._dtypes = saved  # measuring traffic is not training traffic
+        self.reset_stats()
+        self._stats, self._by_size, self._dtypes = saved  # measuring traffic is not training traffic
         return dict(self.peak_busbw)
 
     def _time(
-        self, kind: str, full: torch.Tensor, shard: torch.Tensor, repeats: int, recorded: bool = False, pick=statistics.median
-    ) -> float:
-        """Seconds per call (``pick`` of ``repeats`` after a warm-up). ``recorded``: as the accounting times
-        a collective in training (see [Note: completion time]), not around the call."""
+        self, kind: str, full: torch.Tensor, shard: torch.Tensor, warmup: int, repeats: int, recorded: bool
+    ) -> list[float]:
+        """Seconds of each of ``repeats`` synchronous calls, after ``warmup`` untimed ones. ``recorded``: as
+        the accounting times a collective in training ([Note: completion time]); otherwise on the host's
+        clock from the call to the end of the device's work."""
         samples, key = [], (kind, full.numel() * full.element_size())
-        for _ in range(repeats + 1):  # the first call warms up
+        for call in range(warmup + repeats):
             before = self.by_size[key].seconds if key in self.by_size else 0.0
             start = time.perf_counter()
             if kind == "all_gather":
@@ -281,8 +341,8 @@ class Communicator:
                 self.all_reduce(full)
             else:
                 self.broadcast(full)
-            if full.is_cuda:
-                torch.cuda.synchronize(full.device)
+            self.clock.synchronize()  # each call alone on the group
             elapsed = time.perf_counter() - start
-            samples.append(self.by_size[key].seconds - before if recorded else elapsed)
-        return pick(samples[1:])
+            if call >= warmup:
+                samples.append(self.by_size[key].seconds - before if recorded else elapsed)
+        return samples

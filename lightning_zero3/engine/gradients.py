@@ -18,6 +18,7 @@ p-th root (for the infinity norm, the all-reduced maximum). Same clip coefficien
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -111,17 +112,37 @@ def unscale_gradients_(
     groups: list[FlatGroup], params: Optional[set], inverse_scale: float, comm: Communicator, buffer_count: int
 ) -> bool:
     """Divide the gradients by the loss scale; True when any rank found a non-finite gradient (the flag is
-    all-reduced, so every rank skips the same step). One host read per call, after the all-reduce."""
+    all-reduced, so every rank skips the same step). See [Note: one host read per step]."""
     found = torch.zeros(1, device=comm.device)
-
-    def check(pieces: list[torch.Tensor]) -> None:
-        for g in pieces:  # on the gradient's device, no host sync per tensor
-            found.add_(torch.isfinite(g).logical_not().any().to(found.device, found.dtype))
-
-    visit_gradients(groups, params, check, buffer_count)
-    scale_gradients(groups, params, torch.tensor(inverse_scale, dtype=torch.float32))
+    # in memory: unscaled in place; from disk: the read-only copies are checked, the change is deferred
+    visit_gradients(groups, params, lambda pieces: unscale_(pieces, found, inverse_scale), buffer_count)
+    on_disk = [g for g in groups if _on_disk(g)]
+    for group in on_disk:
+        group.store.defer("mul", torch.tensor(inverse_scale, dtype=torch.float32), params)
     comm.all_reduce(found, op=dist.ReduceOp.MAX)
-    return bool(found.item() > 0)
+    return bool(found.item() > 0)  # the step's one host read
+
+
+def unscale_(pieces: list[torch.Tensor], found: torch.Tensor, inverse_scale: float) -> None:
+    """Multiply ``pieces`` by ``inverse_scale`` in place and raise ``found`` where any element is not finite,
+    without asking the host anything.
+
+    [Note: one host read per step]
+    Asking "is this gradient finite?" of each shard in Python reads a device flag back to the host once per
+    shard: on CUDA, a sync per tensor, each one draining the stream. Instead the gradients are unscaled and
+    checked in groups of one device and dtype by ``torch._amp_foreach_non_finite_check_and_unscale_`` (the
+    kernel ``torch.amp.GradScaler`` uses, for CPU and CUDA), which raises a flag tensor on that device
+    without telling the host. The flags are folded into ``found`` (on the group's device), all-reduced,
+    and read once."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for piece in pieces:
+        by_kind[(piece.device, piece.dtype)].append(piece)
+    for (device, _dtype), grads in by_kind.items():
+        flag = found if device == found.device else torch.zeros(1, device=device)
+        inverse = torch.full((1,), inverse_scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inverse)
+        if flag is not found:
+            found.add_(flag.to(found.device))
 
 
 def ids(params: Optional[Iterable[torch.Tensor]]) -> Optional[set]:

@@ -4,7 +4,8 @@ The loss is multiplied by ``scale`` before backward so small fp16 gradients do n
 backward the shard gradients are divided by ``scale`` and checked for inf/NaN. Each rank sees only its
 shard, so the "found inf" flag is all-reduced (max): every rank then skips the same step and moves the
 scale the same way, and the scale stays identical everywhere. Same rules as ``torch.amp.GradScaler``:
-halve on overflow, double after ``growth_interval`` clean steps.
+halve on overflow, double after ``growth_interval`` clean steps. Unscaling and the overflow check run
+where the gradients live, with one host read per step (``gradients.unscale_gradients_``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,513 @@
+"""The checks that need a GPU, in one run of a few minutes on one CUDA device:
+
+    python examples/gpu_check.py                 # a table; exit status 1 when any check failed
+    python examples/gpu_check.py --json out.json # the same rows as JSON
+
+Without a CUDA device it says so and exits 0, having run nothing. Each check runs in a fresh process on
+GPU 0 (Lightning ``Trainer(devices=1)``, so the process group is NCCL with one rank):
+
+- ``parity fp32``: zero3 against DDP, 10 steps of the example GPT: every step's loss and every final
+  weight bitwise equal. Both runs use deterministic algorithms and SDPA's math kernel, so the only
+  difference left is zero3 itself.
+- ``parity bf16-mixed``: zero3 against DDP, 20 steps: every loss within ``BF16_LOSS_RTOL`` relative, the
+  CPU suite's bound (zero3 gathers bf16 copies of the LayerNorm weights and embeddings, which DDP's
+  autocast keeps in fp32; tests/test_parity.py explains the figure).
+- ``offload 16-mixed clip``: ``zero3_offload`` (optimizer and parameters in host memory) against zero3
+  without offload, both ``16-mixed`` with ``gradient_clip_val``: the same loss-scale history, losses
+  within ``OFFLOAD_LOSS_RTOL`` and weights within ``OFFLOAD_WEIGHT_ATOL``, one AdamW step's worth. The
+  host step runs torch's fused CPU AdamW, which rounds differently from the device's by an ulp per
+  step; a gradient read before its copy to the host finished moves weights by whole steps. The
+  attention's key bias is left out of the weight comparison: softmax ignores a constant added to all of
+  a query's scores, so its exact gradient is zero and what it gets is rounding noise, which AdamW
+  normalises into full steps whose signs follow the rounding (the CPU suite saw the same). The bounds
+  are chosen from that reasoning and a CPU dry run (losses within 5e-6, weights within 1.0e-4 outside
+  the key bias, 3.8e-3 in it), not measured on a GPU.
+- ``collective timing``: one NCCL all-gather of 1 GiB at one rank, timed by the engine's event clock:
+  its time is read only when asked for; waited for at once, the compute stream stalls for most of it;
+  issued before a spin kernel that outlasts it, its time is its own (not the spin's) and nothing is
+  exposed. Then the start-up peak of that size.
+- ``monitors``: ``MemoryMonitor`` and ``CommMonitor`` on under NCCL, gathering on the GPU; the CUDA
+  allocator figures and the communication figures they logged last (their ``last_logged``).
+- ``benchmark <strategy>``: ``examples/benchmark.py`` on this GPU under zero3, DDP and FSDP2
+  (``ModelParallelStrategy``), ``bf16-mixed``: step time, tokens/s and model FLOPs utilization,
+  MFU = 6 x parameters x tokens/s / peak bf16 FLOP/s (attention's own FLOPs left out, as in the common
+  formula, so MFU reads slightly low). The peak comes from ``PEAK_FLOPS`` (NVIDIA's datasheets, dense,
+  keyed by device name) or, for a device not listed there, from a timed large bf16 matmul (a lower
+  bound of the peak, so MFU against it reads high); the table says which.
+
+``--accelerator cpu`` runs the same checks on the CPU: a dry run of this script's own machinery (the
+CUDA-only figures and the NCCL check are then reported missing or skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+BF16_LOSS_RTOL = 5e-3
+OFFLOAD_LOSS_RTOL = 1e-3
+OFFLOAD_WEIGHT_ATOL = 1e-3  # one AdamW step of the example's lr (1e-3)
+WORKER_TIMEOUT_S = 300
+
+#: Dense peak FLOP/s (bf16 tensor core, fp32 without tensor cores) from NVIDIA's datasheets, by a part of
+#: ``torch.cuda.get_device_name()``; the first match wins, so longer names come first.
+PEAK_FLOPS = (
+    ("H200 NVL", 835e12, 60e12),
+    ("H200", 989e12, 67e12),
+    ("H100 NVL", 835e12, 60e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100", 989e12, 67e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("A100", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("L4", 121e12, 30.3e12),
+)
+
+#: the model of the correctness checks (the CPU parity suite's shape, a little wider)
+PARITY_GPT = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+BATCH = 8
+#: examples/benchmark.py's arguments: a GPT of 85M parameters, 8192 tokens a step
+BENCHMARK = {"cuda": ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "--block-size", "512", "--batch-size", "16",
+                      "--steps", "30", "--warmup", "10", "--runs", "2"],
+             "cpu": ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+                     "--steps", "5", "--warmup", "2", "--runs", "1"]}  # fmt: skip
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # "PASS", "FAIL", or "INFO" (a figure, not a verdict)
+    detail: str
+
+
+# ---------------------------------------------------------------------------------------------------
+# the verdicts (pure functions of the workers' results)
+
+
+def compare_exact(a: dict, b: dict) -> tuple[bool, str]:
+    """Whether two runs' per-step losses and final weights are bitwise equal; where they first differ."""
+    for step, (x, y) in enumerate(zip(a["losses"], b["losses"])):
+        if x != y:
+            return False, f"step {step} loss {x!r} vs {y!r}"
+    if len(a["losses"]) != len(b["losses"]):
+        return False, f"{len(a['losses'])} vs {len(b['losses'])} steps"
+    if a["weights"].keys() != b["weights"].keys():
+        return False, f"different weights: {sorted(a['weights'].keys() ^ b['weights'].keys())}"
+    for name, weight in a["weights"].items():
+        if not torch.equal(weight, b["weights"][name]):
+            return False, f"weight {name} differs by up to {_max_abs_diff(weight, b['weights'][name]):.1e}"
+    return True, f"{len(a['losses'])} losses and {len(a['weights'])} weights bitwise equal"
+
+
+def compare_close(a: dict, b: dict, loss_rtol: float, weight_atol: Optional[float] = None) -> tuple[bool, str]:
+    """Whether every step's loss agrees within ``loss_rtol`` (relative) and every weight within ``weight_atol``."""
+    if len(a["losses"]) != len(b["losses"]) or not a["losses"]:
+        return False, f"{len(a['losses'])} vs {len(b['losses'])} steps"
+    loss = max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"]))
+    ok, detail = loss <= loss_rtol, f"losses within {loss:.1e} relative (bound {loss_rtol:.0e})"
+    if weight_atol is not None:
+        weight = max(_max_abs_diff(w, b["weights"][name]) for name, w in a["weights"].items())
+        ok = ok and weight <= weight_atol
+        detail += f", weights within {weight:.1e} (bound {weight_atol:.0e})"
+    return ok, detail
+
+
+def without_key_bias(result: dict, n_embd: int) -> dict:
+    """``result`` with each attention's key bias (the middle third of ``attn.bias``) left out of its weights."""
+    weights = {name: torch.cat([w[:n_embd], w[2 * n_embd :]]) if name.endswith("attn.bias") else w
+               for name, w in result["weights"].items()}  # fmt: skip
+    return {**result, "weights": weights}
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def trains(result: dict) -> bool:
+    return all(math.isfinite(x) for x in result["losses"]) and result["losses"][-1] < result["losses"][0]
+
+
+def timing_verdict(t: dict) -> tuple[bool, str]:
+    """The collective-timing probe's figures against what event timing must show (see ``collective_timing``)."""
+    problems = []
+    if t["pending_after_wait"] < 1:
+        problems.append("times were read on the hot path")
+    if not 0 < t["alone_s"] <= t["alone_host_s"]:
+        problems.append("time of a lone collective outside (0, host time]")
+    if t["alone_exposed_s"] < 0.5 * t["alone_s"]:
+        problems.append("waiting at once exposed less than half of it")
+    if t["overlapped_s"] > 0.5 * t["spin_s"]:
+        problems.append("an overlapped collective was timed to its wait, not its completion")
+    if t["overlapped_exposed_s"] > 0.25 * t["alone_s"]:
+        problems.append("an overlapped collective counted as exposed")
+    if not 0 < t["peak_busbw"] < math.inf:
+        problems.append("no peak")
+    detail = (f"1 GiB all-gather {t['alone_s'] * 1e3:.2f} ms (host saw {t['alone_host_s'] * 1e3:.2f} ms), exposed "
+              f"{t['alone_exposed_s'] * 1e3:.2f} ms; behind a {t['spin_s'] * 1e3:.0f} ms spin: {t['overlapped_s'] * 1e3:.2f} "
+              f"ms, exposed {t['overlapped_exposed_s'] * 1e3:.3f} ms; peak busbw {t['peak_busbw'] / 1e9:.0f} GB/s")  # fmt: skip
+    return not problems, "; ".join(problems + [detail])
+
+
+CUDA_MEMORY_TAGS = ("reserved_bytes", "allocated_bytes", "fragmentation", "cached_slack", "alloc_retries")
+
+
+def monitors_verdict(memory: dict, comm: dict) -> tuple[bool, str]:
+    """The monitors' last logged figures: the CUDA allocator's present and sane, the collectives' measured."""
+    mem = {tag: memory.get(f"zero3/memory/{tag}/max") for tag in CUDA_MEMORY_TAGS}
+    missing = [tag for tag, value in mem.items() if value is None]
+    problems = [f"memory figures missing: {missing}"] if missing else []
+    if not missing:
+        if not 0 < mem["allocated_bytes"] <= mem["reserved_bytes"]:
+            problems.append("allocated outside (0, reserved]")
+        if not (0 <= mem["fragmentation"] <= 1 and 0 <= mem["cached_slack"] <= 1 and mem["alloc_retries"] >= 0):
+            problems.append("allocator fractions out of range")
+    parts = [] if missing else [
+        f"reserved {mem['reserved_bytes'] / 2**20:.0f} MiB, allocated {mem['allocated_bytes'] / 2**20:.0f} MiB, "
+        f"fragmentation {mem['fragmentation']:.3f}, slack {mem['cached_slack']:.2f}, retries {mem['alloc_retries']:.0f}"
+    ]  # fmt: skip
+    for kind in ("all_gather", "reduce_scatter"):
+        names = ("count", "bytes", "seconds", "busbw_GBps", "utilization")
+        fig = {name: comm.get(f"zero3/comm/{kind}/{name}/mean") for name in names}
+        if None in fig.values() or not (fig["count"] > 0 < fig["seconds"] and 0 < fig["utilization"] < math.inf):
+            problems.append(f"{kind} figures missing or not positive: {fig}")
+            continue
+        parts.append(f"{kind} {fig['count']:.0f} calls, {fig['bytes'] / 2**20:.1f} MiB, {fig['seconds'] * 1e3:.2f} ms, "
+                     f"busbw {fig['busbw_GBps']:.0f} GB/s, utilization {fig['utilization']:.2f}")  # fmt: skip
+    return not problems, "; ".join(problems + parts)
+
+
+def mfu(params: int, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilization: 6 FLOPs per parameter per token (forward 2, backward 4) against the peak."""
+    return 6 * params * tokens_per_s / peak_flops
+
+
+def table_peak(device_name: str, dtype: torch.dtype) -> Optional[float]:
+    for part, bf16, fp32 in PEAK_FLOPS:
+        if part in device_name:
+            return bf16 if dtype == torch.bfloat16 else fp32
+    return None
+
+
+def benchmark_rows(summary: dict, params: int, peak: Optional[float]) -> list[Row]:
+    rows = []
+    for strategy in ("zero3", "ddp", "fsdp2"):
+        row = summary["rows"].get(strategy)
+        if row is None:
+            why = summary["skipped"].get(strategy, "no result")
+            rows.append(Row(f"benchmark {strategy}", "FAIL", why.splitlines()[0][:200]))
+            continue
+        utilization = f"MFU {mfu(params, row['tokens_per_s'], peak):.1%}" if peak else "MFU n/a (no peak figure)"
+        rows.append(Row(f"benchmark {strategy}", "INFO",
+                        f"step {row['step_time_s'] * 1e3:.1f} ms ({row.get('step_time_x_ddp', math.nan):.2f}x DDP), "
+                        f"{row['tokens_per_s']:,.0f} tokens/s, {utilization}"))  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = Row("check", "result", "details")
+    widths = [max(len(getattr(r, f)) for r in [head, *rows]) for f in ("check", "status")]
+    lines = [f"{r.check:<{widths[0]}} | {r.status:<{widths[1]}} | {r.detail}" for r in [head, *rows]]
+    lines.insert(1, f"{'-' * widths[0]}-+-{'-' * widths[1]}-+-{'-' * 7}")
+    return "\n".join(lines)
+
+
+def exit_status(rows: list[Row]) -> int:
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# the parent: one worker process per run, then the verdicts
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        torch.save(run_worker(args.worker, args.accelerator), args.out)
+        return 0
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device found (torch.cuda.is_available() is False); nothing was run.")
+        return 0
+    started = time.perf_counter()
+    print(describe_machine(args.accelerator), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {name: launch(name, args.accelerator, Path(tmp)) for name in WORKERS}
+        rows = verdicts(runs)
+        rows += benchmark(args.accelerator, Path(tmp))
+    print()
+    print(format_table(rows))
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return exit_status(rows)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--accelerator", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def describe_machine(accelerator: str) -> str:
+    if accelerator == "cpu":
+        return f"gpu_check dry run on the CPU, torch {torch.__version__}"
+    return f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+
+
+def launch(name: str, accelerator: str, tmp: Path) -> Any:
+    """A worker's result, or the reason it has none (a string)."""
+    out = tmp / f"{name}.pt"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--accelerator", accelerator, "--out", str(out)]
+    print(f"running {name} ...", flush=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"{name}: no result after {WORKER_TIMEOUT_S} s"
+    if done.returncode != 0 or not out.exists():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return f"{name}: exit {done.returncode}: {' / '.join(tail)[-300:]}"
+    return torch.load(out, weights_only=False)
+
+
+def verdicts(runs: dict[str, Any]) -> list[Row]:
+    rows = []
+
+    def row(check: str, names: tuple[str, ...], judge) -> None:
+        failed = [runs[n] for n in names if isinstance(runs[n], str)]
+        if failed:
+            rows.append(Row(check, "FAIL", failed[0]))
+            return
+        if isinstance(runs[names[0]], dict) and runs[names[0]].get("skipped"):
+            rows.append(Row(check, "INFO", runs[names[0]]["skipped"]))
+            return
+        ok, detail = judge(*(runs[n] for n in names))
+        rows.append(Row(check, "PASS" if ok else "FAIL", detail))
+
+    def with_training(ok_detail: tuple[bool, str], *results: dict) -> tuple[bool, str]:
+        ok, detail = ok_detail
+        if not all(trains(r) for r in results):
+            return False, "losses did not fall; " + detail
+        return ok, detail
+
+    row("parity fp32", ("zero3-fp32", "ddp-fp32"), lambda z, d: with_training(compare_exact(z, d), z))
+    row("parity bf16-mixed", ("zero3-bf16", "ddp-bf16"),
+        lambda z, d: with_training(compare_close(z, d, BF16_LOSS_RTOL), z))  # fmt: skip
+
+    def offload(o: dict, z: dict) -> tuple[bool, str]:
+        if o["scales"] != z["scales"]:
+            return False, f"loss scales {o['scales']} vs {z['scales']}"
+        n_embd = PARITY_GPT["n_embd"]
+        ok, detail = compare_close(without_key_bias(o, n_embd), without_key_bias(z, n_embd), OFFLOAD_LOSS_RTOL,
+                                   OFFLOAD_WEIGHT_ATOL)  # fmt: skip
+        return with_training((ok, f"same loss scales ({z['scales'][-1]} at the end); {detail}"), o)
+
+    row("offload 16-mixed clip", ("offload-fp16-clip", "zero3-fp16-clip"), offload)
+    row("collective timing", ("timing",), timing_verdict)
+    row("monitors", ("monitors",), lambda m: monitors_verdict(m["memory"], m["comm"]))
+    return rows
+
+
+def benchmark(accelerator: str, tmp: Path) -> list[Row]:
+    from gpt import GPT, GPTConfig, count_parameters
+
+    out = tmp / "benchmark.json"
+    cmd = [sys.executable, str(HERE / "benchmark.py"), "--accelerator", accelerator, "--devices", "1",
+           "--precision", "bf16-mixed", "--strategies", "zero3,ddp,fsdp2", "--json", str(out), *BENCHMARK[accelerator]]  # fmt: skip
+    print("running the benchmark ...", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
+    if done.returncode != 0 or not out.exists():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return [Row("benchmark", "FAIL", f"exit {done.returncode}: {' / '.join(tail)[-300:]}")]
+    summary = json.loads(out.read_text())
+    cfg = summary["config"]
+    with torch.device("meta"):
+        params = count_parameters(GPT(GPTConfig(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"],
+                                                n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])))  # fmt: skip
+    peak, source = peak_flops(accelerator)
+    shape = f"GPT {params / 1e6:.1f}M parameters, {cfg['batch_size'] * cfg['block_size']} tokens a step, bf16-mixed"
+    return [Row("benchmark", "INFO", f"{shape}; peak {source}"), *benchmark_rows(summary, params, peak)]
+
+
+def peak_flops(accelerator: str) -> tuple[Optional[float], str]:
+    if accelerator != "cuda":
+        return None, "n/a on the CPU"
+    name = torch.cuda.get_device_name(0)
+    listed = table_peak(name, torch.bfloat16)
+    if listed is not None:
+        return listed, f"{listed / 1e12:.0f} TFLOP/s bf16 dense, datasheet figure for {name}"
+    measured = measured_matmul_flops()
+    return measured, f"{measured / 1e12:.0f} TFLOP/s, a timed 8192^3 bf16 matmul ({name} is not in PEAK_FLOPS)"
+
+
+def measured_matmul_flops(n: int = 8192, repeats: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * repeats / (start.elapsed_time(end) / 1e3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the workers: one run each, in a fresh process
+
+# worker -> (strategy, precision flag, steps, gradient_clip_val)
+TRAINING = {
+    "zero3-fp32": ("zero3", "32-true", 10, None),
+    "ddp-fp32": ("ddp", "32-true", 10, None),
+    "zero3-bf16": ("zero3", "bf16-mixed", 20, None),
+    "ddp-bf16": ("ddp", "bf16-mixed", 20, None),
+    "offload-fp16-clip": ("zero3_offload", "16-mixed", 10, 0.5),
+    "zero3-fp16-clip": ("zero3", "16-mixed", 10, 0.5),
+}
+WORKERS = (*TRAINING, "timing", "monitors")
+
+
+def run_worker(name: str, accelerator: str) -> dict:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+    if name == "timing":
+        return collective_timing() if accelerator == "cuda" else {"skipped": "skipped: needs NCCL on CUDA"}
+    if name == "monitors":
+        return monitors_run(accelerator)
+    strategy, precision, steps, clip = TRAINING[name]
+    return train(strategy, precision, steps, clip, accelerator)
+
+
+def train(strategy: str, precision: str, steps: int, clip: Optional[float], accelerator: str,
+          callbacks: tuple = (), logger: Any = False) -> dict:  # fmt: skip
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    import lightning_zero3
+    from gpt import GPTConfig, GPTModule, random_tokens
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.scales: list[Optional[float]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"].detach()))
+            scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+            self.scales.append(getattr(scaler, "scale", None))
+
+    if accelerator == "cuda":  # SDPA's math kernel: deterministic, so runs can match bit for bit
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    knobs = {"persistence_threshold": 1000}  # small parameters sharded too, as in the CPU parity suite
+    if strategy == "zero3_offload":
+        knobs |= {"offload_optimizer": "cpu", "offload_params": "cpu"}
+    chosen = "ddp" if strategy == "ddp" else lightning_zero3.Zero3Strategy(**knobs)
+    flags: dict = {"precision": precision}
+    if accelerator == "cpu" and precision == "16-mixed":  # Lightning turns the flag into bf16 on the CPU
+        flags = {"plugins": [lightning_zero3.Zero3Precision(precision)]}
+    pl.seed_everything(1234)
+    cfg = GPTConfig(**PARITY_GPT)
+    model, record = GPTModule(cfg), Record()
+    trainer = pl.Trainer(strategy=chosen, accelerator=accelerator, devices=1, **flags, max_steps=steps,
+                         gradient_clip_val=clip, deterministic="warn", logger=logger, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[record, *callbacks])  # fmt: skip
+    data = random_tokens(steps * BATCH, cfg.block_size, cfg.vocab_size, seed=7)
+    trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=False))
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {"losses": record.losses, "scales": record.scales, "weights": weights}
+
+
+def monitors_run(accelerator: str) -> dict:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_zero3.callbacks import CommMonitor, MemoryMonitor
+
+    memory, comm = MemoryMonitor(every_n_steps=2), CommMonitor(every_n_steps=2)
+    with tempfile.TemporaryDirectory() as logs:
+        train("zero3", "32-true", 6, None, accelerator, callbacks=(memory, comm), logger=TensorBoardLogger(logs))
+    return {"memory": memory.last_logged, "comm": comm.last_logged}
+
+
+def collective_timing() -> dict:
+    """An NCCL all-gather at one rank, through the engine's Communicator and its event clock."""
+    import torch.distributed as dist
+
+    from lightning_zero3.engine.comm import Communicator
+
+    class OneRankNCCL(Communicator):
+        distributed = True  # issue real NCCL collectives, which at one rank copy on NCCL's stream
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        comm = OneRankNCCL()
+        full, shard = torch.empty(1 << 28, device="cuda"), torch.ones(1 << 28, device="cuda")  # 1 GiB
+        comm.all_gather(full, shard)  # NCCL's first call sets up
+        comm.reset_stats()
+        torch.cuda.synchronize()
+        host = time.perf_counter()
+        comm.all_gather(full, shard, async_op=True).wait()  # waited for at once
+        pending_after_wait = comm.pending_timings
+        torch.cuda.synchronize()
+        host = time.perf_counter() - host
+        alone = comm.stats["all_gather"]
+        result = {"pending_after_wait": pending_after_wait, "alone_host_s": host, "alone_s": alone.seconds,
+                  "alone_exposed_s": alone.exposed_seconds}  # fmt: skip
+        comm.reset_stats()
+        cycles, spin_s = _spin_cycles(0.05)
+        pending = comm.all_gather(full, shard, async_op=True)
+        torch.cuda._sleep(cycles)  # one block spinning on the compute stream: the collective runs beside it
+        pending.wait()
+        overlapped = comm.stats["all_gather"]
+        result |= {"spin_s": spin_s, "overlapped_s": overlapped.seconds,
+                   "overlapped_exposed_s": overlapped.exposed_seconds}  # fmt: skip
+        result["peak_busbw"] = comm.measure_peaks()[("all_gather", full.numel() * 4)]
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _spin_cycles(seconds: float) -> tuple[int, float]:
+    """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``seconds``, and the seconds they took."""
+
+    def timed(cycles: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    probe = 10_000_000
+    cycles = int(probe * seconds / timed(probe))
+    return cycles, timed(cycles)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""examples/gpu_check.py: without CUDA it runs nothing and exits 0; its verdicts and table, on made-up results."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpu_check
+from gpu_check import Row
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu_check.py"
+
+
+def test_without_cuda_it_says_so_and_runs_nothing():
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "", "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no CUDA device found" in done.stdout and "nothing was run" in done.stdout
+    assert "running" not in done.stdout
+
+
+def _run(losses, **weights) -> dict:
+    return {"losses": losses, "weights": {k: torch.tensor(v) for k, v in weights.items()}, "scales": [None]}
+
+
+def test_bitwise_comparison_names_the_first_difference():
+    a = _run([3.0, 2.0, 1.0], w=[1.0, 2.0])
+    assert gpu_check.compare_exact(a, _run([3.0, 2.0, 1.0], w=[1.0, 2.0])) == (True, "3 losses and 1 weights bitwise equal")
+    ok, detail = gpu_check.compare_exact(a, _run([3.0, math.nextafter(2.0, 3.0), 1.0], w=[1.0, 2.0]))
+    assert not ok and detail.startswith("step 1 loss")  # one ulp is a difference
+    ok, detail = gpu_check.compare_exact(a, _run([3.0, 2.0, 1.0], w=[1.0, 2.5]))
+    assert not ok and detail == "weight w differs by up to 5.0e-01"
+
+
+def test_tolerance_comparison_and_training_check():
+    a = _run([3.0, 2.0], w=[1.0])
+    ok, detail = gpu_check.compare_close(a, _run([3.0, 2.002], w=[1.0005]), loss_rtol=5e-3, weight_atol=1e-3)
+    assert ok and "losses within 1.0e-03" in detail and "weights within 5.0e-04" in detail
+    assert not gpu_check.compare_close(a, _run([3.0, 2.02], w=[1.0]), loss_rtol=5e-3)[0]
+    assert not gpu_check.compare_close(a, _run([3.0, 2.0], w=[1.01]), loss_rtol=5e-3, weight_atol=1e-3)[0]
+    assert gpu_check.trains(a) and not gpu_check.trains(_run([2.0, 3.0])) and not gpu_check.trains(_run([3.0, math.nan]))
+
+
+def test_key_bias_is_left_out_of_the_offload_weight_comparison():
+    n = 2  # q, k, v biases of 2 each
+    a = {"losses": [1.0], "weights": {"blocks.0.attn.bias": torch.zeros(3 * n), "blocks.0.fc.bias": torch.zeros(2)}}
+    b = {"losses": [1.0], "weights": {"blocks.0.attn.bias": torch.tensor([0, 0, 9, 9, 0, 0.0]), "blocks.0.fc.bias": torch.zeros(2)}}
+    assert not gpu_check.compare_close(a, b, 1e-3, 1e-3)[0]
+    assert gpu_check.compare_close(gpu_check.without_key_bias(a, n), gpu_check.without_key_bias(b, n), 1e-3, 1e-3)[0]
+    b["weights"]["blocks.0.attn.bias"][0] = 9.0  # the query bias still counts
+    assert not gpu_check.compare_close(gpu_check.without_key_bias(a, n), gpu_check.without_key_bias(b, n), 1e-3, 1e-3)[0]
+
+
+TIMING = {"pending_after_wait": 1, "alone_host_s": 0.0012, "alone_s": 0.0010, "alone_exposed_s": 0.0009,
+          "spin_s": 0.05, "overlapped_s": 0.0011, "overlapped_exposed_s": 0.00001, "peak_busbw": 2e12}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({}, None),
+        ({"pending_after_wait": 0}, "read on the hot path"),
+        ({"overlapped_s": 0.051}, "timed to its wait"),  # the old host stamp: charged the spin
+        ({"overlapped_exposed_s": 0.0009}, "counted as exposed"),
+        ({"alone_exposed_s": 0.0001}, "exposed less than half"),
+        ({"alone_host_s": 0.0009}, "outside (0, host time]"),
+    ],
+)
+def test_collective_timing_verdict(change, words):
+    ok, detail = gpu_check.timing_verdict({**TIMING, **change})
+    assert ok is (words is None)
+    assert "1 GiB all-gather 1.00 ms" in detail and "peak busbw 2000 GB/s" in detail
+    if words:
+        assert words in detail
+
+
+def test_monitors_verdict_needs_the_cuda_allocator_figures():
+    comm = {f"zero3/comm/{kind}/{name}/mean": value for kind in ("all_gather", "reduce_scatter")
+            for name, value in (("count", 12), ("bytes", 2**21), ("seconds", 0.003), ("busbw_GBps", 50), ("utilization", 0.8))}  # fmt: skip
+    cuda = {"reserved_bytes": 2**30, "allocated_bytes": 2**29, "fragmentation": 0.01, "cached_slack": 0.5, "alloc_retries": 0}
+    memory = {f"zero3/memory/{tag}/max": value for tag, value in cuda.items()}
+    ok, detail = gpu_check.monitors_verdict(memory, comm)
+    assert ok and "reserved 1024 MiB, allocated 512 MiB" in detail and "all_gather 12 calls, 2.0 MiB, 3.00 ms" in detail
+    ok, detail = gpu_check.monitors_verdict({"zero3/memory/rss_bytes/max": 1.0}, comm)  # host figures only
+    assert not ok and "memory figures missing" in detail
+    ok, detail = gpu_check.monitors_verdict(memory, {**comm, "zero3/comm/reduce_scatter/count/mean": 0})
+    assert not ok and "reduce_scatter figures missing or not positive" in detail
+
+
+def test_mfu_and_the_peak_table():
+    assert gpu_check.mfu(100e6, 1e5, 1e15) == pytest.approx(0.06)  # 6 * 1e8 * 1e5 / 1e15
+    assert gpu_check.table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert gpu_check.table_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert gpu_check.table_peak("NVIDIA H200", torch.float32) == 67e12
+    assert gpu_check.table_peak("NVIDIA L40S", torch.bfloat16) == 362e12  # not the L4's
+    assert gpu_check.table_peak("Some Future GPU", torch.bfloat16) is None
+
+
+def test_benchmark_rows_table_and_exit_status():
+    summary = {
+        "rows": {"zero3": {"step_time_s": 0.02, "tokens_per_s": 4.0e5, "step_time_x_ddp": 1.25},
+                 "ddp": {"step_time_s": 0.016, "tokens_per_s": 5.0e5, "step_time_x_ddp": 1.0}},
+        "skipped": {"fsdp2": "failed (exit 1): out of memory\nmore"},
+    }  # fmt: skip
+    rows = gpu_check.benchmark_rows(summary, params=100_000_000, peak=1e15)
+    assert rows[0] == Row("benchmark zero3", "INFO", "step 20.0 ms (1.25x DDP), 400,000 tokens/s, MFU 24.0%")
+    assert rows[1].detail.endswith("MFU 30.0%")
+    assert rows[2] == Row("benchmark fsdp2", "FAIL", "failed (exit 1): out of memory")
+    assert gpu_check.benchmark_rows(summary, 100_000_000, None)[0].detail.endswith("MFU n/a (no peak figure)")
+    table = gpu_check.format_table([Row("parity fp32", "PASS", "equal"), *rows]).splitlines()
+    assert table[0].startswith("check           | result |") and set(table[1]) <= {"-", "+"}
+    assert table[2] == "parity fp32     | PASS   | equal"
+    assert len({line.index("|") for line in table if "|" in line}) == 1  # columns line up
+    assert gpu_check.exit_status(rows) == 1 and gpu_check.exit_status(rows[:2]) == 0
