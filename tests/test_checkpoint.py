@@ -10,12 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoint_files import assert_sharded_layout
 from distributed import run_ranks
 from gpt import GPT, GPTConfig, random_tokens
 from torch import nn
@@ -130,10 +130,7 @@ def saved_on(tmp_path_factory):
 def test_checkpoint_reshards_and_training_continues_at_parity(saved_on, saved_world, loaded_on):
     path, saved = saved_on(saved_world)
     files = sorted(p.name for p in Path(path).iterdir())
-    # every rank writes one file per flat group (see [Note: one file per group] in dcp_io.py)
-    per_rank = Counter(f.split("_")[2] for f in files if f.endswith(".distcp"))  # "__<rank>_<n>.distcp"
-    assert sorted(per_rank) == [str(r) for r in range(saved_world)] and len(set(per_rank.values())) == 1
-    assert per_rank["0"] == saved["groups"] > 1
+    assert assert_sharded_layout(files, saved_world) == saved["groups"]  # one file per flat group and rank
     reference_losses, reference_weights = _reference(saved)
     results = run_ranks(_load_case, loaded_on, path)
     global_losses = torch.tensor([r["losses"] for r in results]).mean(0).tolist()  # equal local batches

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import lightning_zero3  # noqa: E402,F401  (registers "zero3")
+import lightning_zero3  # noqa: E402  (registers "zero3")
 from gpt import GPTConfig, GPTModule, random_tokens  # noqa: E402
 
 STEPS = 10
@@ -135,8 +135,10 @@ def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) ->
         **trainer_kwargs,
     )
     trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=False))
+    engine = lightning_zero3.engine_of(model)  # zero3 stays sharded after fit: the masters, gathered
+    weights = engine.full_state_dict() if engine is not None else model.state_dict()
+    weights = {k: v.detach().clone() for k, v in weights.items()}
     if trainer.is_global_zero:
-        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.save({"losses": record.losses, "weights": weights, "memory": record.memory}, out / f"{strategy}-{variant}.pt")
 
 
