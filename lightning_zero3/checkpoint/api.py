@@ -14,6 +14,7 @@ Both functions are collectives over the engine's ranks. Neither gathers a parame
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,6 +24,7 @@ from ..engine import Communicator, Zero3Engine
 from ..engine.memory import return_free_heap
 from .atomic import MANIFEST, TRAINER_STATE, commit, partial_path, read_manifest, write_manifest
 from .files import torch_load_checked, write_torch_file
+from .hf import HF_CONFIG, find_hf_model, hf_configuration
 from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
 from .sharded import (
     MODEL_PREFIX,
@@ -63,7 +65,11 @@ def save_sharded_checkpoint(
     engine.settle()
     model_state = model_pieces(engine)
     optimizer_parts = [optimizer_pieces(engine, optimizer) for optimizer in optimizers]
-    write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra)
+    files = {}
+    hf = find_hf_model(engine.module)
+    if hf is not None:  # consolidation can then write a Hugging Face directory with nothing else at hand
+        files[HF_CONFIG] = json.dumps({"prefix": hf[0], **hf_configuration(hf[1])})
+    write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra, files)
     return_free_heap()
 
 
@@ -73,8 +79,10 @@ def write_sharded_checkpoint(
     model_state: dict[str, Any],
     optimizer_parts: list[dict[str, Any]],
     extra: dict[str, Any],
+    files: Optional[dict[str, str]] = None,
 ) -> None:
-    """The writing itself, from pieces made by ``model_pieces`` / ``optimizer_pieces`` (or by hand)."""
+    """The writing itself, from pieces made by ``model_pieces`` / ``optimizer_pieces`` (or by hand);
+    ``files``: small text files rank 0 adds to the directory (name -> content)."""
     path = Path(comm.all_gather_objects(str(path))[0])
     params, buffers = _describe_model(model_state)
     state: dict[str, Any] = {}
@@ -99,6 +107,8 @@ def write_sharded_checkpoint(
     save_pieces(state, partial, comm.group)
     if comm.rank == 0:
         write_torch_file({**extra, "optimizer_states": merged}, partial / TRAINER_STATE)
+        for name, content in (files or {}).items():
+            (partial / name).write_text(content)
         write_manifest(partial, {"world_size": comm.world_size, "params": params, "buffers": buffers})
         commit(partial, path)
     comm.all_gather_objects(None)  # nobody returns before the checkpoint has its name

@@ -3,6 +3,7 @@
     python -m lightning_zero3.checkpoint.consolidate CHECKPOINT_DIR OUT.pt        # torch.save format
     python -m lightning_zero3.checkpoint.consolidate CHECKPOINT_DIR OUT.safetensors
     zero3-consolidate CHECKPOINT_DIR OUT.pt --prefix model.    # keep "model.*", strip the prefix
+    zero3-consolidate CHECKPOINT_DIR OUT_DIR --format hf       # a Hugging Face model directory
 
 The output is a plain ``state_dict`` under the model's own names (tied weights under each name), that
 ``model.load_state_dict(torch.load(OUT.pt, weights_only=True))`` takes with no zero3 installed.
@@ -18,14 +19,16 @@ then one zip record per tensor, each with its true CRC).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 
 from .atomic import read_manifest
 from .dcp_io import FlatPiece, load_pieces
+from .hf import DEFAULT_MAX_SHARD, HF_CONFIG, write_hf_directory
 from .sharded import MODEL_PREFIX
 from .writers import TensorEntry, write_safetensors, write_torch
 
@@ -64,17 +67,31 @@ def _tensors(path: Path, entries: list[_Entry]) -> Iterator[torch.Tensor]:
         yield _read_full(path, entry)
 
 
-def consolidate_checkpoint(checkpoint: Path, out: Path, fmt: Optional[str] = None, prefix: str = "") -> Path:
-    """Write the full weights of the sharded ``checkpoint`` to ``out`` (``"pt"`` or ``"safetensors"``, by
-    default from the suffix), keeping the names under ``prefix`` with the prefix removed."""
+def consolidate_checkpoint(
+    checkpoint: Path, out: Path, fmt: Optional[str] = None, prefix: Optional[str] = None,
+    config: Optional[Path] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD,
+) -> Path:
+    """Write the full weights of the sharded ``checkpoint`` to ``out``: ``"pt"`` or ``"safetensors"`` (one file),
+    or ``"hf"`` (a Hugging Face model directory, see ``hf.py``); by default from the suffix, and ``"hf"`` for a
+    path without one when the checkpoint was written from a module that wraps a Hugging Face model. Only the
+    names under ``prefix`` are kept, with the prefix removed (for ``"hf"``, by default the wrapped model's
+    prefix). ``config``: a ``config.json`` for ``"hf"`` (by default the one the checkpoint carries)."""
     checkpoint, out = Path(checkpoint), Path(out)
     manifest = read_manifest(checkpoint)
-    fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt")
-    if fmt not in ("pt", "safetensors"):
-        raise ValueError(f"zero3: unknown output format {fmt!r}; use 'pt' or 'safetensors'.")
-    entries = _entries(manifest, prefix)
+    carried = checkpoint / HF_CONFIG
+    fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt" if out.suffix or not carried.is_file() else "hf")
+    if fmt not in ("pt", "safetensors", "hf"):
+        raise ValueError(f"zero3: unknown output format {fmt!r}; use 'pt', 'safetensors' or 'hf'.")
+    configuration = None
+    if fmt == "hf":
+        configuration = _hf_configuration(checkpoint, carried, config)
+        if prefix is None:
+            prefix = configuration.get("prefix", "")
+    entries = _entries(manifest, prefix or "")
     if not entries:
         raise ValueError(f"zero3: no tensor of {checkpoint} has a name starting with {prefix!r}.")
+    if configuration is not None:
+        return write_hf_directory(out, entries, _tensors(checkpoint, entries), configuration, max_shard_size)
     staging = out.with_name(f".{out.name}.partial")
     writer = write_safetensors if fmt == "safetensors" else write_torch
     try:
@@ -85,16 +102,29 @@ def consolidate_checkpoint(checkpoint: Path, out: Path, fmt: Optional[str] = Non
     return out
 
 
+def _hf_configuration(checkpoint: Path, carried: Path, config: Optional[Path]) -> dict:
+    if config is not None:
+        return {"config": json.loads(Path(config).read_text())}
+    if not carried.is_file():
+        raise ValueError(
+            f"zero3: {checkpoint} was not written from a module that wraps a Hugging Face model, so it carries "
+            "no configuration; pass the model's config.json (--config) to write a Hugging Face directory."
+        )
+    return json.loads(carried.read_text())
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="zero3-consolidate", description="Write one file of full weights from a zero3 sharded checkpoint."
+        prog="zero3-consolidate", description="Write the full weights of a zero3 sharded checkpoint."
     )
     parser.add_argument("checkpoint", type=Path, help="the sharded checkpoint directory")
-    parser.add_argument("out", type=Path, help="output file: .pt (torch.save format) or .safetensors")
-    parser.add_argument("--format", choices=["pt", "safetensors"], help="default: from the output's suffix")
-    parser.add_argument("--prefix", default="", help="keep only names starting with this, and strip it (e.g. 'model.')")
+    parser.add_argument("out", type=Path, help="output: a .pt (torch.save) or .safetensors file, or a directory (hf)")
+    parser.add_argument("--format", choices=["pt", "safetensors", "hf"], help="default: from the output's suffix")
+    parser.add_argument("--prefix", help="keep only names starting with this, and strip it (e.g. 'model.')")
+    parser.add_argument("--config", type=Path, help="hf: the model's config.json (default: the checkpoint's own)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help="hf: split files above this (e.g. 5GB)")
     args = parser.parse_args(argv)
-    out = consolidate_checkpoint(args.checkpoint, args.out, args.format, args.prefix)
+    out = consolidate_checkpoint(args.checkpoint, args.out, args.format, args.prefix, args.config, args.max_shard_size)
     print(f"wrote {out}")
     return 0
 

@@ -20,9 +20,10 @@ from torch import nn
 
 from ..engine import Zero3Engine
 from ..engine.engine import _ENGINE_ATTR, engine_of
+from .hf import DEFAULT_MAX_SHARD, find_hf_model, hf_configuration, write_hf_directory
 from .writers import TensorEntry, write_safetensors, write_torch
 
-FORMATS = ("pt", "safetensors")
+FORMATS = ("pt", "safetensors", "hf")
 
 
 def _engine_for(module: nn.Module) -> Optional[Zero3Engine]:
@@ -37,18 +38,30 @@ def _engine_for(module: nn.Module) -> Optional[Zero3Engine]:
 
 
 def save_full_weights(
-    module: nn.Module, path: Union[str, "os.PathLike[str]"], prefix: str = "", fmt: Optional[str] = None
+    module: nn.Module, path: Union[str, "os.PathLike[str]"], prefix: Optional[str] = None, fmt: Optional[str] = None,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD,
 ) -> Path:
     """Write ``module``'s full weights (its ``state_dict``, parameters in the master dtype) to ``path``.
 
-    ``fmt``: ``"pt"`` (``torch.save`` format) or ``"safetensors"``; by default from the suffix. ``prefix``:
-    keep only the names that start with it, without it (``prefix="model."`` turns a LightningModule's
-    ``model.wte.weight`` into ``wte.weight``). Call it on every rank (rank 0 writes); works on modules that
-    are not sharded too."""
+    ``fmt``: ``"pt"`` (``torch.save`` format), ``"safetensors"``, or ``"hf"``: a Hugging Face model
+    directory for a module that wraps a ``transformers`` model (``config.json`` and safetensors files,
+    split above ``max_shard_size``; see ``hf.py``); by default from the suffix (a path without one is a
+    Hugging Face directory when the module wraps such a model). ``prefix``: keep only the names that start
+    with it, without it (``prefix="model."`` turns a LightningModule's ``model.wte.weight`` into
+    ``wte.weight``; for ``"hf"`` the wrapped model's own names are the default). Call it on every rank
+    (rank 0 writes); works on modules that are not sharded too."""
     path = Path(path)
-    fmt = fmt or ("safetensors" if path.suffix == ".safetensors" else "pt")
+    hf = find_hf_model(module)
+    fmt = fmt or ("safetensors" if path.suffix == ".safetensors" else "pt" if path.suffix or hf is None else "hf")
     if fmt not in FORMATS:
         raise ValueError(f"zero3: unknown weights format {fmt!r}; use one of {list(FORMATS)}.")
+    if fmt == "hf" and hf is None:
+        raise ValueError(
+            "zero3: fmt='hf' needs a Hugging Face model (a transformers.PreTrainedModel) inside the module; "
+            "use fmt='safetensors' or 'pt' for other models."
+        )
+    if prefix is None:
+        prefix = hf[0] if fmt == "hf" and hf is not None else ""
     engine = _engine_for(module)
     writing = engine is None or engine.comm.rank == 0
     entries, values = _plan(module, engine, prefix)
@@ -57,7 +70,10 @@ def save_full_weights(
     staging = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
     error: Optional[str] = None
     try:
-        if writing:
+        if writing and fmt == "hf":
+            assert hf is not None
+            write_hf_directory(path, entries, values, hf_configuration(hf[1]), max_shard_size)
+        elif writing:
             path.parent.mkdir(parents=True, exist_ok=True)
             writer = write_safetensors if fmt == "safetensors" else write_torch
             writer(staging, entries, values)

@@ -1,0 +1,111 @@
+"""Hugging Face model directories: trained weights straight to ``from_pretrained`` (and so to vLLM, TGI or
+TensorRT-LLM, which read the same layout).
+
+A LightningModule that wraps a Hugging Face model (any ``transformers.PreTrainedModel`` attribute, e.g.
+``self.model = AutoModelForCausalLM.from_config(config)``) is exported as the directory ``save_pretrained``
+writes: ``config.json`` (and ``generation_config.json`` when the model has one), the weights under the
+Hugging Face model's own names in safetensors files, one ``model.safetensors`` below ``max_shard_size``,
+else ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json`` mapping every name to
+its file. Tensors are written one at a time as they arrive (gathered unit by unit from a live run, or read
+from a sharded checkpoint), so no process holds the model. A tied weight is stored under each of its
+names (safetensors has no aliases; ``from_pretrained`` takes either).
+
+Sharded checkpoints of such a module carry its configuration (``hf_config.json``), so
+``zero3-consolidate CKPT OUT --format hf`` needs nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from .writers import TensorEntry, write_safetensors
+
+DEFAULT_MAX_SHARD = "5GB"  # save_pretrained's default
+HF_CONFIG = "hf_config.json"  # inside a sharded checkpoint: {"prefix": ..., "config": ..., "generation_config": ...}
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def find_hf_model(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """The first Hugging Face model inside ``module`` and the ``state_dict`` prefix of its names (``"model."``
+    for ``self.model``), or None. Looks only when ``transformers`` was imported by the program."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers import PreTrainedModel
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel):
+            return (f"{name}." if name else ""), sub
+    return None
+
+
+def hf_configuration(model: nn.Module) -> dict[str, Any]:
+    """What ``config.json`` (and ``generation_config.json``) say about ``model``."""
+    saved = {"config": json.loads(model.config.to_json_string())}
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        saved["generation_config"] = json.loads(generation.to_json_string())
+    return saved
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes from an int or a string such as ``"5GB"``, ``"500MiB"``, ``"2e9"``."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B?)?\s*", str(size))
+    if not match:
+        raise ValueError(f"zero3: cannot read {size!r} as a size; write bytes or e.g. '5GB', '500MiB'.")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"": 0, "B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[:1] if unit[:1] in "KMGT" else ""]
+    return int(number * base**power)
+
+
+def write_hf_directory(
+    out: Path, entries: list[TensorEntry], values: Iterator[torch.Tensor], configuration: dict[str, Any],
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD,
+) -> Path:
+    """Write a Hugging Face directory at ``out`` (replacing one that is there, atomically)."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = entry.nbytes * len(entry.names)
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        names = [WEIGHTS] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+        ]  # fmt: skip
+        for name, shard in zip(names, shards):
+            write_safetensors(staging / name, shard, itertools.islice(values, len(shard)))
+        if len(shards) > 1:
+            weight_map = {n: file for file, shard in zip(names, shards) for e in shard for n in e.names}
+            total = sum(e.nbytes * len(e.names) for e in entries)
+            (staging / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (staging / "config.json").write_text(json.dumps(configuration["config"], indent=2))
+        if "generation_config" in configuration:
+            (staging / "generation_config.json").write_text(json.dumps(configuration["generation_config"], indent=2))
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out
