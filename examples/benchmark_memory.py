@@ -185,8 +185,10 @@ def worker(args: argparse.Namespace) -> None:
     class MemoryGPT(GPTModule):
         def configure_model(self):
             super().configure_model()
-            if isinstance(self.trainer.strategy, ModelParallelStrategy):  # FSDP2: one unit per block
-                from torch.distributed.fsdp import fully_shard
+            if isinstance(self.trainer.strategy, ModelParallelStrategy) and not getattr(self, "_fully_sharded", False):
+                from torch.distributed.fsdp import fully_shard  # FSDP2: one unit per block, once per model
+
+                self._fully_sharded = True
 
                 mesh = self.device_mesh["data_parallel"]
                 for block in self.model.blocks:

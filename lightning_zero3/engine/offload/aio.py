@@ -8,6 +8,14 @@ its ``result()`` re-raises a failure in the caller's thread, a full disk as ``Sw
 Transfers are plain buffered file I/O: no O_DIRECT (it needs aligned buffers and sizes, and gains
 little over the page cache at these request sizes); the benchmark measures the disk's sequential
 bandwidth with the same calls, so the two figures compare like with like.
+
+[Note: the swap files really are read]
+The kernel keeps what was read (and written) in its page cache while memory allows, so a second read of
+a swap file would come from memory, not from the disk: on a machine with plenty of RAM, an "NVMe" tier
+would then be a host tier in disguise, and speeds measured on it would not hold for models larger than
+memory. So every read drops the pages it read from the cache (``posix_fadvise(DONTNEED)``; written pages
+are dropped once the kernel has written them back, at the latest by the read that follows): reads of
+the NVMe tier are reads of the disk.
 """
 
 from __future__ import annotations
@@ -103,4 +111,11 @@ def read_range(swap: SwapFile, tensor: torch.Tensor, offset: int, chunk_bytes: i
         if got == 0:
             raise OSError(errno.EIO, f"zero3: swap file {swap.path} is shorter than expected (truncated?)")
         done += got
+    _forget(swap, offset, len(view))
     return len(view)
+
+
+def _forget(swap: SwapFile, offset: int, nbytes: int) -> None:
+    """Drop the pages just read from the page cache: see [Note: the swap files really are read]."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(swap.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
