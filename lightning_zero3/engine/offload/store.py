@@ -382,13 +382,19 @@ class GroupStore:
         host = self.offload.host.take(self.numel, self.dtype)
         event = copies.copy(host, reduced)
         ready: Optional[Callable] = lambda: copies.wait_on_host(event)  # noqa: E731 (on the I/O thread)
-        after: Optional[Callable] = read  # once written, back on this thread: ``reduced`` may be reused
+        # ``reduced`` may be reused once the copy has read it: at once when the copy is already done,
+        # else once the write (which waits for the copy) has finished, back on this thread
+        after: Optional[Callable] = read
+        if event is None:
+            read()
+            after = None
         if self.grad_on_disk and not self._grads_fresh():
             self._read(GRAD, self.dtype)
             future, stored = self.reads.pop(GRAD)
             self.offload.io.wait(future)
             copies.wait_on_host(event)
-            read()
+            if after is not None:
+                read()
             host.add_(stored)
             self.offload.host.give(stored)
             ready = after = None
