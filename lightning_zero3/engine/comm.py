@@ -22,6 +22,16 @@ backend's own thread, so a collective that finished long before the caller waite
 compute in between. Otherwise (gloo's reduce-scatter, NCCL, whose futures complete on stream
 synchronisation) the time runs to the end of ``wait()``, an upper bound.
 
+[Note: three process groups]
+All-gathers run on the job's group, in the order of the recorded execution trace, the same on every
+rank. Reduce-scatters run on a group of their own (same ranks, same backend, same timeout): a rank
+issues a unit's reduce-scatter once the unit's backward is over there (see ``grads.ReductionQueue``),
+a moment that legitimately differs between ranks relative to their all-gathers; on one group, gloo and
+NCCL would pair one rank's reduce-scatter with another rank's all-gather. A third group carries the
+tiny blocking identity checks that precede every all-gather (``agree``, see [Note: every all-gather is
+checked] in agreement.py): on the job's group a check would queue behind the large gathers in flight
+and wait for them (NCCL runs one group's collectives in order on one stream), undoing the prefetch.
+
 [Note: peak bandwidth]
 ``measure_peaks`` times each (kind, size) this job has used, synchronously on the quiet group, and
 keeps the slowest rank's median: the busbw a collective of that size reaches here at best. Monitors
@@ -33,6 +43,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -77,6 +88,10 @@ class Pending:
     def _stamp(self, _future: Any) -> None:
         self._completed = time.perf_counter()
 
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return without blocking (the collective has completed)."""
+        return self.done or self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self.done:
             return
@@ -111,6 +126,10 @@ class Communicator:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
+        # see [Note: three process groups]; both are the job's group until ``open_side_groups``
+        self.reduce_group: Optional[dist.ProcessGroup] = group
+        self.check_group: Optional[dist.ProcessGroup] = group
+        self._side_groups: list[dist.ProcessGroup] = []
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
@@ -121,6 +140,7 @@ class Communicator:
         self._dtypes: dict[tuple[str, int], torch.dtype] = {}  # the dtype each (kind, bytes) was seen in
         self.choice: dict[tuple[str, int], str] = {}  # (kind, bytes of the full buffer) -> way, by ``tune``
         self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
+        self.checks = 0  # identity checks run by ``agree``
 
     def _sinks(self, kind: str, tensor: torch.Tensor) -> list[CollectiveStats]:
         """Where one collective of ``kind`` over ``tensor`` (the full buffer) is counted."""
@@ -129,6 +149,25 @@ class Communicator:
             self.by_size[key] = CollectiveStats()
             self._dtypes[key] = tensor.dtype
         return [self.stats[kind], self.by_size[key]]
+
+    def open_side_groups(self, timeout: Optional[timedelta] = None) -> None:
+        """Create the reduce-scatter and check groups (a collective over this group's ranks; once)."""
+        if not self.distributed or self._side_groups:
+            return
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        backend = dist.get_backend(self.group)
+        made = [
+            dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True) for _ in range(2)
+        ]
+        self.reduce_group, self.check_group = made
+        self._side_groups = made
+
+    def close_side_groups(self) -> None:
+        """Destroy the groups ``open_side_groups`` made (local; the collectives on them must be done)."""
+        for group in self._side_groups:
+            dist.destroy_process_group(group)
+        self._side_groups = []
+        self.reduce_group = self.check_group = self.group
 
     def bus_factor(self, kind: str) -> float:
         return self.BUS_FACTOR[kind](self.world_size) if self.world_size > 1 else 1.0
@@ -160,12 +199,13 @@ class Communicator:
             return self._finish(Pending(None, self._sinks("reduce_scatter", full), nbytes, None), async_op)
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
+        group = self.reduce_group  # [Note: three process groups]
         if way == "all_reduce_slice":
-            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
             start = self.rank * output.numel()
             finish = lambda: output.copy_(full[start : start + output.numel()])  # noqa: E731
         else:
-            work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return self._finish(Pending(work, self._sinks("reduce_scatter", full), nbytes, finish), async_op)
 
     @staticmethod
@@ -195,13 +235,25 @@ class Communicator:
             stats.add(tensor.numel() * tensor.element_size(), elapsed, elapsed)
         return tensor
 
-    def all_gather_objects(self, obj: Any) -> list:
-        """Every rank's ``obj``, in rank order. For small Python objects (layouts, scalars), never weights."""
+    def all_gather_objects(self, obj: Any, on_check_group: bool = False) -> list:
+        """Every rank's ``obj``, in rank order. For small Python objects (layouts, scalars), never weights.
+        ``on_check_group``: on the check group (see [Note: three process groups])."""
         if not self.distributed:
             return [obj]
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, obj, group=self.group)
+        dist.all_gather_object(everyone, obj, group=self.check_group if on_check_group else self.group)
         return everyone
+
+    def agree(self, tag: list[int]) -> list[list[int]]:
+        """Every rank's ``tag`` (a short list of integers, the same length on every rank), in rank order:
+        a blocking all-gather on the check group, not counted with the sharding collectives."""
+        if not self.distributed:
+            return [list(tag)]
+        mine = torch.tensor(tag, dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.world_size * len(tag), dtype=torch.int64, device=self.device)
+        dist.all_gather_single(everyone, mine, group=self.check_group)
+        self.checks += 1
+        return everyone.view(self.world_size, len(tag)).tolist()
 
     def all_equal(self, value: int) -> bool:
         """Whether every rank passed the same integer (used to check that ranks agree before acting)."""

@@ -23,9 +23,12 @@ import torch
 from torch import nn
 
 from ..config import Zero3Config
+from .agreement import OrderCheck
 from .comm import Communicator
-from .hooks import HookManager, UnitRuntime
+from .grads import ReductionQueue
+from .hooks import HookManager
 from .materialize import InitFn, Materializer, has_meta_tensors
+from .runtime import UnitRuntime
 from .schedule import Schedule
 from .memory import GATHERED_PARAMS, ByteLedger, optimizer_state_bytes
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
@@ -70,6 +73,7 @@ class Zero3Engine:
             self._broadcast_buffers()
 
         self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
+        self.comm.open_side_groups(self.config.timeout)  # see [Note: three process groups] in comm.py
         if self.config.tune_collectives:
             # before any group exists: the tuning buffers are not stacked on top of the shards
             self.comm.tune(_collective_sizes(self.plan, dtypes, self.comm.world_size), self.device)
@@ -109,11 +113,15 @@ class Zero3Engine:
                 self._slot_of_shard[id(slot.shard_param)] = (runtime.group, slot)
                 setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
         cfg = self.config
+        self.order_check = OrderCheck([rt.group for rt in self.runtimes], self.comm)
+        for runtime in self.runtimes:
+            runtime.group.check = self.order_check.check
         self.schedule = Schedule(
-            units, self.comm, cfg.prefetch_bucket_size, cfg.max_live_parameters, cfg.max_reuse_distance
+            units, self.order_check, cfg.prefetch_bucket_size, cfg.max_live_parameters, cfg.max_reuse_distance
         )
+        queue = ReductionQueue(units, self.root, self.persistent, self.comm, cfg.reduce_bucket_size, cfg.overlap_comm)
         self.hooks = HookManager(
-            module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm,
+            module, self.root, self.unit_runtimes, self.persistent, self.schedule, queue,
             cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0,
         )
         self.ledger.reset_peak()
@@ -358,12 +366,20 @@ class Zero3Engine:
         self.slots = {}
         self.optimizers = []
         self.release_offload()
+        self.comm.close_side_groups()
 
     def release_offload(self) -> None:
         """Remove the swap files and stop the I/O threads (local; also safe after a failure)."""
         if self.offload is not None:
             self.offload.close()
             self.offload = None
+
+    def remove_swap_files(self) -> None:
+        """Delete this rank's swap folder now, touching nothing else (no thread is joined): for a process
+        about to end with ``os._exit``, which skips the interpreter's own clean-up (see watchdog.py)."""
+        swap = getattr(self.offload, "swap", None) if self.offload is not None else None
+        if swap is not None:
+            swap.remove()
 
     def _broadcast_buffers(self) -> None:
         with torch.no_grad():

@@ -18,7 +18,7 @@ on NVMe, and ``shard`` is only the device-side source of all-gathers (see ``offl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -147,6 +147,8 @@ class FlatGroup:
             self.ledger.add(GRAD_SHARDS, self._nbytes(self.grad_shard))
         self.gathered = True
         self.pending: Optional[Pending] = None  # an all-gather in flight into ``full``
+        # agrees with every rank on each all-gather before it is issued (set by the engine; see agreement.py)
+        self.check: Optional[Callable[[Sequence["FlatGroup"]], None]] = None
         self._source: Optional[torch.Tensor] = None  # what it reads, kept alive until it completes
         self.ledger.add(self._full_category, self._nbytes(self.full))
         if self.store is not None:
@@ -167,10 +169,13 @@ class FlatGroup:
     def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    def start_gather(self, force: bool = False) -> None:
-        """Issue the all-gather of the full parameters without waiting for it (prefetch)."""
+    def start_gather(self, force: bool = False, checked: bool = False) -> None:
+        """Issue the all-gather of the full parameters without waiting for it (prefetch). ``checked``: the
+        ranks already agreed on it (``start_gathers`` checks several groups at once)."""
         if self.pending is not None or (self.gathered and not force):
             return
+        if not checked:
+            self._agree([self])
         self._begin_fill()
         with torch.no_grad():
             shard = self.gather_input()
@@ -211,8 +216,13 @@ class FlatGroup:
             mark_gathered(slot.param, slot.original_class)
         self.gathered = True
 
+    def _agree(self, groups: Sequence["FlatGroup"]) -> None:
+        if self.check is not None:
+            self.check(groups)
+
     def gather_master(self) -> torch.Tensor:
         """A new flat tensor with the full parameters in the master dtype (for checkpoints, teardown)."""
+        self._agree([self])
         flat = torch.empty(self.full.numel(), dtype=self.dtype, device=self.shard.device)
         with torch.no_grad():
             self.comm.all_gather(flat, self._master_on_device("gathering full weights"))
@@ -302,10 +312,12 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int) -> None:
     once it lands, each group's column block is copied into its own ``full`` buffer.
     """
     waiting = [g for g in groups if g.pending is None and not g.gathered]
+    if waiting:
+        waiting[0]._agree(waiting)  # one check for the unit and its prefetches
     small = [g for g in waiting if g.full.numel() < coalesce_below]
     for group in waiting:
         if group not in small or len(small) == 1:
-            group.start_gather()
+            group.start_gather(checked=True)
         elif group is small[0]:
             _start_coalesced(small)
 
