@@ -23,6 +23,7 @@ from .checkpoint import (
     remove_checkpoint,
     save_sharded_checkpoint,
 )
+from .checkpoint.api import agree_on_outcome
 from .checkpoint.files import load_file_checkpoint, save_file_atomically
 
 
@@ -81,6 +82,9 @@ class CheckpointingMixin:
             with_optimizers = checkpoint.pop("optimizer_states", None) is not None
             optimizers = [_unwrap(o) for o in self.optimizers] if with_optimizers else []
             save_sharded_checkpoint(path, self._engine, optimizers, checkpoint)
+        elif self._engine is not None:  # rank 0 writes; its outcome reaches every rank
+            write = (lambda: save_file_atomically(checkpoint, path)) if self.is_global_zero else None
+            agree_on_outcome(self._engine.comm, path, "writing it", write)
         elif self.is_global_zero:
             save_file_atomically(checkpoint, path)
 

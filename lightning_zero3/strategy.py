@@ -9,8 +9,10 @@ holds. Everything ZeRO-3 itself does lives in ``engine/``.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
@@ -44,9 +46,13 @@ from .config import Zero3Config, default_nvme_path
 from .knobs import DEFAULTS, build_config, knob_docstring
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine
 from .engine.materialize import move_real_tensors
+from .engine.watchdog import Watchdog
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 
 log = logging.getLogger(__name__)
+
+# One watchdog per Trainer run; every rank starts the same number of them, so their store keys agree.
+_WATCHDOG_GENERATIONS = itertools.count()
 
 
 def cpu_threads_per_rank(ranks_on_node: int) -> int:
@@ -145,6 +151,7 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         self._process_group_backend: Optional[str] = self.config.process_group_backend
         self._engine: Optional[Zero3Engine] = None
         self._failed = False
+        self._watchdog: Optional[Watchdog] = None
 
     # -- what Lightning looks up on a distributed strategy -----------------------------------------
 
@@ -219,6 +226,20 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self.config.timeout, device_id=device_id
         )
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """See ``engine/watchdog.py``: a failure on one rank ends every rank, with a message."""
+        if self._watchdog is not None or torch.distributed.get_world_size() < 2:
+            return
+        self._watchdog = Watchdog.for_default_group(self.config.timeout, next(_WATCHDOG_GENERATIONS))
+        self._watchdog.add_cleanup(lambda: self._engine.remove_swap_files() if self._engine is not None else None)
+        self._watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -316,8 +337,14 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        if self._watchdog is not None:
+            # a peer that failed first, or is gone, is the likelier cause of this rank's error: say so
+            reason = self._watchdog.fail(f"{type(exception).__name__}: {exception}")
+            if reason is not None:
+                print(f"zero3: rank {self.global_rank} stops because {reason}.", file=sys.stderr, flush=True)
 
     def teardown(self) -> None:
+        self._stop_watchdog()  # before the process may end (see Watchdog.stop)
         engine, self._engine = self._engine, None
         if self._precision_plugin is not None:
             self._precision_plugin.engine = None
