@@ -85,7 +85,7 @@ class OrderCheck:
         """Agree with every rank on the all-gather of ``groups`` about to be issued (a collective)."""
         if not self.comm.distributed or not groups:
             return
-        rows = self.comm.agree(self.tag(groups))
+        rows = self.comm.agree(self.tag(groups), before="all_gather")
         self.seq += 1
         if any(row != rows[0] for row in rows):
             raise ExecutionOrderError(self._describe(rows))

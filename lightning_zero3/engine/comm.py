@@ -151,14 +151,15 @@ class Communicator:
         return [self.stats[kind], self.by_size[key]]
 
     def open_side_groups(self, timeout: Optional[timedelta] = None) -> None:
-        """Create the reduce-scatter and check groups (a collective over this group's ranks; once)."""
+        """Create the reduce-scatter and check groups (once; a collective over every rank of the job, as
+        ``torch.distributed.new_group`` is)."""
         if not self.distributed or self._side_groups:
             return
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         backend = dist.get_backend(self.group)
-        made = [
-            dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True) for _ in range(2)
-        ]
+        # not ``use_local_synchronization``: its groups are named after their ranks, and two groups of the
+        # same ranks would then meet under one name in the store
+        made = [dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"zero3_{job}") for job in ("reduce", "check")]
         self.reduce_group, self.check_group = made
         self._side_groups = made
 
@@ -244,16 +245,25 @@ class Communicator:
         dist.all_gather_object(everyone, obj, group=self.check_group if on_check_group else self.group)
         return everyone
 
-    def agree(self, tag: list[int]) -> list[list[int]]:
+    def agree(self, tag: list[int], before: Optional[str] = None) -> list[list[int]]:
         """Every rank's ``tag`` (a short list of integers, the same length on every rank), in rank order:
-        a blocking all-gather on the check group, not counted with the sharding collectives."""
+        a blocking all-gather on the check group. ``before="all_gather"``: the check precedes that kind of
+        collective; the time spent here, waiting for the other ranks to reach it, is that collective's
+        time, and all of it exposed (as it was when the wait happened inside the collective itself);
+        the bytes and counts per message size stay the collective's own."""
         if not self.distributed:
             return [list(tag)]
+        start = time.perf_counter()
         mine = torch.tensor(tag, dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.world_size * len(tag), dtype=torch.int64, device=self.device)
         dist.all_gather_single(everyone, mine, group=self.check_group)
+        rows = everyone.view(self.world_size, len(tag)).tolist()
         self.checks += 1
-        return everyone.view(self.world_size, len(tag)).tolist()
+        if before is not None:
+            elapsed = time.perf_counter() - start
+            self.stats[before].seconds += elapsed
+            self.stats[before].exposed_seconds += elapsed
+        return rows
 
     def all_equal(self, value: int) -> bool:
         """Whether every rank passed the same integer (used to check that ranks agree before acting)."""
