@@ -102,8 +102,10 @@ class Pending:
             self._finish()
         end = time.perf_counter()
         completed = min(self._completed, end) if self._completed is not None else end
+        # exposed: from the wait to the completion; the caller's wake-up after it is the scheduler's, not
+        # the collective's (on a loaded machine it made exposed exceed issue-to-completion)
         for stats in self._stats:
-            stats.add(self._nbytes, completed - self._issued, end - start)
+            stats.add(self._nbytes, completed - self._issued, max(0.0, completed - start))
         self.done = True
 
 

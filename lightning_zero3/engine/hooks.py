@@ -21,8 +21,9 @@ the unit's forward created has run (the autograd engine runs ready nodes newest 
 the unit is newer than the identity). A unit called k times waits for its k signals (tokens held by the
 graph, so a graph dropped without backward drops its token). Frozen units are released this way as soon
 as their backward is over, and are not held for backward at all when their outputs need no gradient.
-The identity's outputs are views: a module that modifies its input in place fails with torch's "view
-... modified inplace" error (as under FSDP2); clone the input first.
+The identity returns detached aliases of its inputs (same storage, same version counter), not the inputs
+themselves, which autograd would turn into views that refuse in-place changes: a module may modify its
+input in place exactly as it could without zero3.
 
 [Note: forward inside backward]
 Activation checkpointing re-runs a unit's forward during backward. Releasing after that forward would
@@ -63,7 +64,8 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, fire: Callable, token: PostBackwardToken, *tensors: torch.Tensor) -> tuple:
         ctx.fire, ctx.token = fire, token
-        return tensors
+        # aliases, not the inputs themselves: autograd would make those views that refuse in-place changes
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:

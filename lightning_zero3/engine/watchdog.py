@@ -127,15 +127,21 @@ class Watchdog:
         self._thread = None
         try:
             self._store.set(self._key(f"done/{self.rank}"), "1")
-            if self.rank == 0:
-                deadline = time.monotonic() + self.stale_after
-                waiting = list(self._peers)
-                while waiting and time.monotonic() < deadline:
-                    waiting = [peer for peer in waiting if self._peer_state(peer, time.monotonic()) == "running"]
-                    if waiting:
-                        time.sleep(self.interval / 4)
+            self._wait_for_peers(self.stale_after)
         except Exception:  # noqa: BLE001 - the store may be gone with a peer that finished first
             pass
+
+    def _wait_for_peers(self, seconds: float) -> None:
+        """On rank 0 (whose process holds the store under Lightning's launcher): wait at most ``seconds`` until
+        every peer is done, has seen an abort, or is gone."""
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + seconds
+        waiting = list(self._peers)
+        while waiting and time.monotonic() < deadline:
+            waiting = [peer for peer in waiting if self._peer_state(peer, time.monotonic()) == "running"]
+            if waiting:
+                time.sleep(self.interval / 4)
 
     def abort(self, cause: str) -> Optional[str]:
         """Tell every rank that this one fails because of ``cause``. Returns the message of a rank that
@@ -156,7 +162,7 @@ class Watchdog:
         if first is not None:
             return first
         try:
-            return self._gone_peer()
+            return self._gone_peer() or self._dead_local_peer(grace=0.5)
         except Exception as error:  # noqa: BLE001
             return self._store_lost(error)
 
@@ -189,9 +195,16 @@ class Watchdog:
                 return state
         return None
 
+    def _finished(self, peer: int) -> bool:
+        """Whether ``peer`` said it is done, or that it ends because of an abort (False without a store)."""
+        try:
+            return any(self._store.check([self._key(f"{what}/{peer}")]) for what in ("done", "seen"))
+        except Exception:  # noqa: BLE001
+            return False
+
     def _peer_state(self, peer: int, now: float) -> str:
         """"done" (finished, or saw an abort), "running", or why it is gone."""
-        if self._store.check([self._key(f"done/{peer}")]) or self._store.check([self._key(f"seen/{peer}")]):
+        if self._finished(peer):
             return "done"
         if peer not in self._where and self._store.check([self._key(f"where/{peer}")]):
             host, pid = self._store.get(self._key(f"where/{peer}")).decode().split()
@@ -211,18 +224,24 @@ class Watchdog:
             return f"rank {peer} (on {host}) sent no heartbeat for {now - since:.0f} s: killed, frozen or cut off"
         return "running"
 
-    def _store_lost(self, error: BaseException) -> str:
-        # A peer of this host that is gone says more. Its sockets close while it exits, a moment before the
-        # kernel marks it dead: look again for a little while.
+    def _dead_local_peer(self, grace: float) -> Optional[str]:
+        """A peer of this host whose process is gone, looking again for ``grace`` seconds: a killed process
+        closes its sockets (which is how this rank learns something is wrong) a moment before the kernel
+        marks it dead."""
         local = [(peer, pid) for peer, (host, pid) in self._where.items() if host == self.host]
-        deadline = time.monotonic() + (1.0 if local else 0.0)
+        deadline = time.monotonic() + (grace if local else 0.0)
         while True:
             for peer, pid in local:
-                if not process_alive(pid):
+                if not process_alive(pid) and not self._finished(peer):
                     return f"rank {peer} (process {pid} on this host) ended without a word: killed (SIGKILL, out of memory?)"
             if time.monotonic() >= deadline:
-                break
+                return None
             time.sleep(0.05)
+
+    def _store_lost(self, error: BaseException) -> str:
+        found = self._dead_local_peer(grace=0.5)  # a peer of this host that is gone says more
+        if found is not None:
+            return found
         return (
             f"lost the rendezvous store ({type(error).__name__}: {_one_line(str(error))}); it lives in rank 0's "
             "process under Lightning's launcher (in the launcher's under torchrun), which is gone"
@@ -232,6 +251,7 @@ class Watchdog:
         print(f"zero3: rank {self.rank} stops because {reason}.", file=sys.stderr, flush=True)
         try:
             self._store.set(self._key(f"seen/{self.rank}"), "1")
+            self._wait_for_peers(min(self.stale_after, 5.0))  # rank 0: the store lives as long as it is needed
         except Exception:  # noqa: BLE001 - the store is gone
             pass
         for cleanup in self._cleanups:
