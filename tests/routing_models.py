@@ -97,3 +97,26 @@ class SkippingModel(nn.Module):
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+class TwoTowers(nn.Module):
+    """A deep tower of blocks over embeddings and a wide tower of MoE layers over fixed features of the
+    tokens: the wide tower's first unit has no input that needs a gradient (no post-backward signal), and
+    its backward runs before the deep tower's (it ran later in forward)."""
+
+    def __init__(self, vocab=32, dim=16, experts=4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.deep = nn.ModuleList(Block(dim) for _ in range(2))
+        self.wide = nn.ModuleList(MoELayer(dim, 2 * dim, experts, top_k=1) for _ in range(2))
+        self.register_buffer("features", torch.randn(vocab, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        deep = self.embed(tokens)
+        for block in self.deep:
+            deep = block(deep)
+        wide = self.features[tokens]
+        for layer in self.wide:
+            wide = layer(wide)
+        return self.head(deep + wide)

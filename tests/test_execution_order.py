@@ -50,14 +50,14 @@ def test_a_unit_is_reduced_when_it_and_every_unit_before_it_are_over(engine, mon
     queue = engine.hooks.queue
     queue.begin([])  # reverse module order: blocks.3, blocks.2, blocks.1, blocks.0, root
     for name in ("blocks.1", "blocks.2"):  # over before blocks.3: they wait
-        u[name].end_backward("signal")
+        u[name].end_backward()
         queue.advance()
     assert sent == []
-    u["blocks.3"].end_backward("gradients")
+    u["blocks.3"].end_backward()
     queue.advance()
     assert sent == [["blocks.3"], ["blocks.2"], ["blocks.1"]]
     for runtime in engine.runtimes:  # backward ended (as the end-of-backward callback does): the rest, in order
-        runtime.end_backward("end")
+        runtime.end_backward()
     queue.finish()
     assert sent[3:] == [["blocks.0"], ["<root>"]]
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_ranks
 from gpt import GPT, GPTConfig
-from routing_models import Expert, MoEModel, SkippingModel, lm_loss
+from routing_models import Expert, MoEModel, SkippingModel, TwoTowers, lm_loss
 from torch import nn
 
 from lightning_zero3 import Zero3Config, Zero3Engine
@@ -108,6 +108,16 @@ def _shared_skip(rank: int, world: int, opt: str) -> dict:
         "prefetched": schedule.prefetched,
         **_compare(reference, model, engine),
     }
+
+
+def _two_towers(rank: int, world: int, overlap: bool) -> dict:
+    torch.manual_seed(0)
+    reference = TwoTowers()
+    model = copy.deepcopy(reference)
+    config = Zero3Config(persistence_threshold=0, reduce_bucket_size=1, overlap_comm=overlap)
+    engine = Zero3Engine(model, config)
+    losses = _side_by_side(reference, model, engine, "adamw", _tokens(rank))
+    return {"losses": losses, "units": list(engine.unit_sizes()), **_compare(reference, model, engine)}
 
 
 def _mixtral(rank: int, world: int, opt: str) -> dict:
@@ -219,6 +229,7 @@ def _all_cases(rank: int, world: int) -> dict:
     results: dict = {"moe": {case: _moe(rank, world, *case) for case in MOE_CASES}}
     results["skip"] = {opt: _shared_skip(rank, world, opt) for opt in ("sgd", "adamw")}
     results["mixtral"] = {opt: _mixtral(rank, world, opt) for opt in ("sgd", "adamw")}
+    results["two_towers"] = {overlap: _two_towers(rank, world, overlap) for overlap in (True, False)}
     results["expert_units_agreeing"] = _expert_units_agreeing(rank, world)
     if world == 2:
         results["frozen"] = {frozen: _frozen_peak(rank, world, frozen) for frozen in (0, 4)}
@@ -269,6 +280,16 @@ def test_hugging_face_mixtral_matches_ddp_find_unused(ranks, opt):
     world, results = ranks
     _assert_matches_ddp([r["mixtral"][opt] for r in results], world)
     assert results[0]["mixtral"][opt]["units"] == ["<root>", "model.layers.0", "model.layers.1"]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_unit_without_post_backward_signal_and_rank_dependent_gradients_neither_hangs_nor_differs(ranks, overlap):
+    # the wide tower's first unit: on a rank where all its experts ran it ends at its last gradient, on one
+    # where some did not only when backward ends; a rank waiting for its reduce-scatter mid-backward would
+    # wait for a peer that first needs this rank's next gather (see [Note: reduction order] in grads.py)
+    world, results = ranks
+    _assert_matches_ddp([r["two_towers"][overlap] for r in results], world)
+    assert results[0]["two_towers"][overlap]["units"] == ["<root>", "deep.0", "deep.1", "wide.0", "wide.1"]
 
 
 def test_expert_units_routed_alike_on_every_rank_work(ranks):

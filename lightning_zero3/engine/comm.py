@@ -30,7 +30,8 @@ a moment that legitimately differs between ranks relative to their all-gathers; 
 NCCL would pair one rank's reduce-scatter with another rank's all-gather. A third group carries the
 tiny blocking identity checks that precede every all-gather (``agree``, see [Note: every all-gather is
 checked] in agreement.py): on the job's group a check would queue behind the large gathers in flight
-and wait for them (NCCL runs one group's collectives in order on one stream), undoing the prefetch.
+and wait for them (NCCL runs one group's collectives in order on one stream), undoing the prefetch; it
+is a gloo group whatever the job's backend (host tags, no device synchronisation).
 
 [Note: peak bandwidth]
 ``measure_peaks`` times each (kind, size) this job has used, synchronously on the quiet group, and
@@ -160,10 +161,12 @@ class Communicator:
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         backend = dist.get_backend(self.group)
         # not ``use_local_synchronization``: its groups are named after their ranks, and two groups of the
-        # same ranks would then meet under one name in the store
-        made = [dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"zero3_{job}") for job in ("reduce", "check")]
-        self.reduce_group, self.check_group = made
-        self._side_groups = made
+        # same ranks would then meet under one name in the store. The checks run on gloo whatever the
+        # job's backend: 80-byte tags read on the host, no device stream to synchronise, no NCCL buffers.
+        reduce = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc="zero3_reduce")
+        check = dist.new_group(ranks, timeout=timeout, backend="gloo", group_desc="zero3_check")
+        self.reduce_group, self.check_group = reduce, check
+        self._side_groups = [reduce, check]
 
     def close_side_groups(self) -> None:
         """Destroy the groups ``open_side_groups`` made (local; the collectives on them must be done)."""
@@ -256,8 +259,9 @@ class Communicator:
         if not self.distributed:
             return [list(tag)]
         start = time.perf_counter()
-        mine = torch.tensor(tag, dtype=torch.int64, device=self.device)
-        everyone = torch.empty(self.world_size * len(tag), dtype=torch.int64, device=self.device)
+        host = torch.device("cpu") if self._side_groups else self.device  # the check group is gloo's
+        mine = torch.tensor(tag, dtype=torch.int64, device=host)
+        everyone = torch.empty(self.world_size * len(tag), dtype=torch.int64, device=host)
         dist.all_gather_single(everyone, mine, group=self.check_group)
         rows = everyone.view(self.world_size, len(tag)).tolist()
         self.checks += 1

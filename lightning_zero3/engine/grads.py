@@ -30,14 +30,18 @@ recorded), else reverse module order; trainable units missing from the trace aft
 and the persistent group. A unit is issued when its backward is over *and* every unit before it has
 been issued; every trainable unit is issued in every backward (with zero flags where nothing arrived),
 so the sequence of reduce-scatters is the same on every rank by construction. Consecutive small units
-share a bucket, flushed before the next large unit. A rank never blocks on a reduce-scatter during
-backward: when ``MAX_INFLIGHT_REDUCES`` are in flight the next one waits its turn (its full gradients
-stay alive meanwhile), so no rank can sit in a hook waiting for a peer that needs this rank's next
-all-gather first. Everything left is issued and completed when backward ends. Under
-``overlap_comm=False`` each reduce-scatter completes before backward goes on, which is safe only where
-every rank reaches the unit's end at the same point of backward (``UnitRuntime.over_alike``); a unit
-whose end here came from its last gradient alone (no post-backward signal: no input needed gradients)
-is reduced when backward ends instead.
+share a bucket, flushed before the next large unit. Everything left is issued and completed when
+backward ends.
+
+Waiting for a reduce-scatter during backward (``MAX_INFLIGHT_REDUCES`` in flight, or
+``overlap_comm=False``) blocks this rank until every peer has issued it, that is, until the unit's
+backward is over there too. That is safe when the unit has a post-backward signal
+(``UnitRuntime.ends_alike``): every rank reaches that point of backward, needing nothing from this rank
+that it has not issued already. A unit without one (no input needs gradients) whose parameters got no
+gradient on some rank ends there only when backward ends, after gathers that this rank, blocked, would
+never issue. So such a reduce-scatter is not waited for during backward: the next unit waits its turn
+instead (its full gradients stay alive meanwhile), and under ``overlap_comm=False`` the unit is reduced
+when backward ends.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Packed(NamedTuple):
     group: FlatGroup
     buffer: torch.Tensor
     used_here: list[bool]  # per trainable slot: this rank had a gradient for it
+    ends_alike: bool  # its unit's backward ends at the same point on every rank (UnitRuntime.ends_alike)
 
     @property
     def width(self) -> int:
@@ -74,7 +79,7 @@ def _new_buffer(world: int, width: int, dtype: torch.dtype, device: torch.device
     return torch.zeros(world, width, dtype=dtype, device=device)
 
 
-def pack_gradients(group: FlatGroup, comm: Communicator) -> Optional[Packed]:
+def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True) -> Optional[Packed]:
     """The group's full gradients packed for ``reduce_packed``, divided by the world size; the parameters'
     own ``.grad`` are freed. None when the group has nothing trainable."""
     if not group.trainable:
@@ -93,7 +98,7 @@ def pack_gradients(group: FlatGroup, comm: Communicator) -> Optional[Packed]:
             slot.param.grad = None
     if world > 1:
         grads.div_(world)
-    return Packed(group, buffer, used)
+    return Packed(group, buffer, used, ends_alike)
 
 
 def _copy_rows(rows: torch.Tensor, offset: int, flat: torch.Tensor) -> None:
@@ -146,6 +151,10 @@ class _Accumulation:
 
     def ready(self) -> bool:
         return self.done or self.pending.ready()
+
+    @property
+    def ends_alike(self) -> bool:
+        return all(item.ends_alike for item, _ in self.results)
 
     def wait(self) -> None:
         if self.done:
@@ -218,15 +227,15 @@ class ReductionQueue:
         self._retire()
         while self._next < len(self.order):
             runtime = self.order[self._next]
-            if not runtime.backward_over or (not self.overlap and not finishing and not runtime.over_alike):
+            if not runtime.backward_over or (not self.overlap and not finishing and not runtime.ends_alike):
                 return
             if self.overlap and len(self._inflight) >= MAX_INFLIGHT_REDUCES:
-                if not finishing:
-                    return
+                if not (finishing or self._inflight[0].ends_alike):
+                    return  # its turn comes at a later hook, or when backward ends
                 self._inflight.popleft().wait()
             self._next += 1
             runtime.reduced = True
-            packed = pack_gradients(runtime.group, self.comm)
+            packed = pack_gradients(runtime.group, self.comm, runtime.ends_alike)
             assert packed is not None
             if packed.group.full.numel() >= self.bucket_numel:
                 self._flush()

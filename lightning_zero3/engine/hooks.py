@@ -210,7 +210,7 @@ class HookManager:
         self._begin_backward()
         runtime.awaiting.discard(token)
         if not runtime.awaiting:
-            self._backward_over(runtime, "signal")
+            self._backward_over(runtime)
 
     def _grad_ready(self, runtime: UnitRuntime) -> Callable:
         def hook(param: torch.Tensor) -> None:
@@ -224,14 +224,14 @@ class HookManager:
                 )
             runtime.grads_ready += 1
             if runtime.all_grads_in():
-                self._backward_over(runtime, "gradients")
+                self._backward_over(runtime)
             else:
                 self.queue.advance()
 
         return hook
 
-    def _backward_over(self, runtime: UnitRuntime, cause: str) -> None:
-        if runtime.end_backward(cause):
+    def _backward_over(self, runtime: UnitRuntime) -> None:
+        if runtime.end_backward():
             runtime.maybe_release()
         self.queue.advance()
 
@@ -245,7 +245,7 @@ class HookManager:
     def _finish_backward(self) -> None:
         try:
             for runtime in self.runtimes:
-                runtime.end_backward("end")
+                runtime.end_backward()
             self.queue.finish()
         finally:
             for runtime in self.runtimes:

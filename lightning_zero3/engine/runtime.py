@@ -45,7 +45,6 @@ class UnitRuntime:
         self.grads_ready = 0  # trainable parameters whose gradient arrived
         self.awaiting = weakref.WeakSet()  # PostBackwardTokens of forward calls whose backward is not over
         self.signals = 0  # PostBackwardTokens made since the last backward ended
-        self.over_alike = False  # its end came from a signal every rank gets at the same point (see grads.py)
 
     @property
     def trainable(self) -> bool:
@@ -61,18 +60,24 @@ class UnitRuntime:
     def held(self) -> bool:
         return self.forward_depth > 0 or self.backward_hold or self.context_holds > 0
 
+    @property
+    def ends_alike(self) -> bool:
+        """Whether its backward ends at the same point of backward on every rank: it has a post-backward
+        signal (its inputs need gradients), which every rank gets once that unit's backward has run,
+        whatever parameters got gradients there (see [Note: reduction order] in grads.py)."""
+        return self.signals > 0
+
     def all_grads_in(self) -> bool:
         return self.grads_ready >= len(self.group.trainable_slots)
 
-    def end_backward(self, cause: str) -> bool:
-        """Mark its backward over (``cause``: "gradients", "signal" or "end"); False if it already was."""
+    def end_backward(self) -> bool:
+        """Mark its backward over; False if it already was."""
         if self.backward_over:
             return False
         self.backward_over = True
-        self.over_alike = cause != "gradients" or self.signals > 0
         self.backward_hold = False
         return True
 
     def reset_backward(self) -> None:
-        self.backward_hold = self.backward_started = self.backward_over = self.reduced = self.over_alike = False
+        self.backward_hold = self.backward_started = self.backward_over = self.reduced = False
         self.grads_ready = self.signals = 0
