@@ -136,9 +136,9 @@ def _wait_for(ended: list, seconds: float) -> None:
 def test_watchdog_ends_the_rank_when_a_peer_aborts(store, capfd):
     ended: list = []
     watchdog = _watch(store, ended)
+    store.set(watchdog.prefix + "done/1", "1")  # rank 1 has gone through its teardown: nobody waits for it
     store.set(watchdog.prefix + "abort", "rank 1 failed: ValueError: boom")
     _wait_for(ended, 3)
-    store.set(watchdog.prefix + "done/1", "1")  # so that stop() does not wait for it
     watchdog.stop()
     assert ended[:2] == ["cleaned", 1]  # swap folders first, then the exit
     assert "zero3: rank 0 stops because rank 1 failed: ValueError: boom" in capfd.readouterr().err
