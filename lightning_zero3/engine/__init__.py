@@ -4,7 +4,7 @@ from .comm import Communicator
 from .engine import NoTrainableParametersError, Zero3Engine, gathered_parameters
 from .optim import OptimizerShardingError
 from .released import ParameterNotGatheredError
-from .schedule import ExecutionOrderError
+from .agreement import ExecutionOrderError
 
 __all__ = [
     "Communicator",

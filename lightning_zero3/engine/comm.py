@@ -271,14 +271,6 @@ class Communicator:
             self.stats[before].exposed_seconds += elapsed
         return rows
 
-    def all_equal(self, value: int) -> bool:
-        """Whether every rank passed the same integer (used to check that ranks agree before acting)."""
-        if not self.distributed:
-            return True
-        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        return int(both[0]) == value and int(-both[1]) == value
-
     @property
     def device(self) -> torch.device:
         if self.distributed and dist.get_backend(self.group) == "nccl":
