@@ -5,7 +5,7 @@ itself (as torchrun would: ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` set) 
 
 The fit saves ``DIR/ckpt`` (sharded) after step 2, and again (same name) after step 4. Faults:
   kill_step   rank 1 SIGKILLs itself at step 3
-  exception   rank 1 raises at step 3 (only rank 1)
+  exception   rank 1 raises at step 3 (only rank 1); optimizer state offloaded to NVMe swap files under DIR/nvme
   kill_save   rank 0 SIGKILLs itself in the second save, its shards written, before the manifest
   commit      the second save's rename into place fails on rank 0 (an injected EIO)
   enospc      rank 1's disk is full while it writes its shards of the second save (an injected ENOSPC)
@@ -119,8 +119,10 @@ def main() -> None:
     pl.seed_everything(0)
     torch.set_num_threads(1)
     data = random_tokens(64, CFG.block_size, CFG.vocab_size, seed=1)
+    # with NVMe offload in one case: the swap folders must go also when the watchdog ends the process
+    offload = {"offload_optimizer": "nvme", "nvme_path": str(args.out / "nvme")} if args.fault == "exception" else {}
     trainer = pl.Trainer(
-        strategy=lightning_zero3.Zero3Strategy(timeout=TIMEOUT, persistence_threshold=100),
+        strategy=lightning_zero3.Zero3Strategy(timeout=TIMEOUT, persistence_threshold=100, **offload),
         accelerator="cpu",
         devices=2,
         max_steps=6,
