@@ -85,7 +85,7 @@ class CheckpointingMixin:
         optimizers = [_unwrap(o) for o in self.optimizers] if with_optimizers else []
         if self._sharded_checkpoints:
             save_sharded_checkpoint(path, self._engine, optimizers, checkpoint)
-        else:
+        else:  # rank 0 writes; its outcome reaches every rank (see checkpoint/full.py)
             save_full_checkpoint(path, self._engine, optimizers, checkpoint)
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:

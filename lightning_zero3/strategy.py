@@ -9,8 +9,10 @@ holds. Everything ZeRO-3 itself does lives in ``engine/``.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -47,9 +49,13 @@ from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .knobs import DEFAULTS, build_config, knob_docstring
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine, engine_of
 from .engine.materialize import move_real_tensors
+from .engine.watchdog import Watchdog
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 
 log = logging.getLogger(__name__)
+
+# One watchdog per Trainer run; every rank starts the same number of them, so their store keys agree.
+_WATCHDOG_GENERATIONS = itertools.count()
 
 
 def _init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
@@ -145,6 +151,7 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         self._failed = False
         # ranks of this job on this rank's cores, itself included (CPU only, set in setup_environment)
         self.ranks_sharing_cores: Optional[int] = None
+        self._watchdog: Optional[Watchdog] = None
 
     # -- what Lightning looks up on a distributed strategy -----------------------------------------
 
@@ -222,6 +229,20 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
             mine, everyone = gather_core_sets()
             self.ranks_sharing_cores = ranks_sharing(mine, everyone)
             torch.set_num_threads(self.config.cpu_threads or threads_per_rank(mine, self.ranks_sharing_cores))
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """See ``engine/watchdog.py``: a failure on one rank ends every rank, with a message."""
+        if self._watchdog is not None or torch.distributed.get_world_size() < 2:
+            return
+        self._watchdog = Watchdog.for_default_group(self.config.timeout, next(_WATCHDOG_GENERATIONS))
+        self._watchdog.add_cleanup(lambda: self._engine.remove_swap_files() if self._engine is not None else None)
+        self._watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -343,8 +364,14 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        if self._watchdog is not None:
+            # a peer that failed first, or is gone, is the likelier cause of this rank's error: say so
+            reason = self._watchdog.fail(f"{type(exception).__name__}: {exception}")
+            if reason is not None:
+                print(f"zero3: rank {self.global_rank} stops because {reason}.", file=sys.stderr, flush=True)
 
     def teardown(self) -> None:
+        self._stop_watchdog()  # before the process may end (see Watchdog.stop)
         engine = self._engine
         if isinstance(self.model, _RootCall):
             self.model = self.lightning_module

@@ -86,6 +86,7 @@ def test_comm_figures_per_collective_kind(run):
                 assert 0 < value < math.inf
     for value in _series(events, "zero3/comm/prefetch_hit_rate/mean").values():
         assert 0 <= value <= 1
+    assert set(_series(events, "zero3/comm/trace_changes/max").values()) == {0.0}  # a GPT runs alike every step
     # the logged figures are the last ones rank 0 logged
     assert ranks[0]["logged"]["CommMonitor"]["zero3/comm/all_gather/count/mean"] == _series(
         events, "zero3/comm/all_gather/count/mean")[6]  # fmt: skip
@@ -118,6 +119,16 @@ def test_sharded_init_in_configure_model_trains(run):
     assert ranks[0]["fc_std"] == pytest.approx(0.02, rel=0.25)  # the module's init_weights ran
     losses = ranks[0]["losses"]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("changes,steps,advised", [(3.0, 4, True), (2.0, 4, False), (0.0, 0, False)])
+def test_advice_when_the_unit_order_changes_in_most_steps(changes, steps, advised):
+    monitor = CommMonitor()
+    monitor._interval_steps = steps  # what `figures` found for the interval
+    advice = dict(monitor.advise({"trace_changes": changes}, {"trace_changes": changes}, trainer=None))
+    assert ("trace_changes" in advice) == advised
+    if advised:
+        assert "3 of the last 4 steps" in advice["trace_changes"] and "prefetch_bucket_size=0" in advice["trace_changes"]
 
 
 @pytest.mark.parametrize(

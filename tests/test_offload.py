@@ -369,7 +369,7 @@ def _capacity_case(rank: int, world: int, width: int, depth: int, knobs: dict, o
 
 def test_nvme_offload_trains_a_model_four_times_larger_than_its_peak_memory(tmp_path, monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # the default environment a user has
-    width, depth = 1024, 128  # 134M parameters: 2.1 GB of model states
+    width, depth = 1024, 160  # 168M parameters: 2.7 GB of model states
     knobs = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path), "offload_buffer_count": 2}
     (offloaded,) = run_ranks(_capacity_case, 1, width, depth, knobs, str(tmp_path / "offloaded"))
     (resident,) = run_ranks(_capacity_case, 1, width, depth, {}, str(tmp_path / "resident"))

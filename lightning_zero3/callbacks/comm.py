@@ -17,11 +17,13 @@ since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max
     is off (taken while the machine was busy, or from too few calls), and the monitor warns once per
     kind, with how to measure again.
 And ``zero3/comm/prefetch_hit_rate``: the share of unit starts whose parameters were already gathered
-or in flight.
+or in flight; ``zero3/comm/trace_changes``: the training steps (backward passes) of the interval whose
+unit order differed from the recorded trace (see [Note: the trace may change] in ``engine/schedule.py``).
 
 Advice when an all-gather or reduce-scatter runs below ``utilization_threshold`` (default 0.7) of peak,
-and when any kind's utilization, averaged over ranks, exceeds 1. (The mean over ranks, not one rank's
-figure: the rank that arrives last at a collective waits least for it, and can beat a true peak.)
+and when any kind's utilization, averaged over ranks, exceeds 1 (the mean over ranks, not one rank's
+figure: the rank that arrives last at a collective waits least for it, and can beat a true peak), and
+when the trace changed in most steps of an interval (prefetch then gathers units that do not run).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
+from ..engine.comm import Communicator
 from .monitor import Figures, Layout, Zero3Monitor, Zero3MonitorError
 
 NAN = float("nan")
@@ -73,6 +76,7 @@ class CommMonitor(Zero3Monitor):
         self.utilization_threshold = utilization_threshold
         self.peak_repeats = peak_repeats
         self._seen: dict = {}
+        self._interval_steps = 0  # backward passes in the interval that ``figures`` last covered
 
     def start(self, trainer: "pl.Trainer") -> None:
         self._seen = self._snapshot()
@@ -86,7 +90,12 @@ class CommMonitor(Zero3Monitor):
         comm, schedule = self.engine.comm, self.engine.schedule
         totals = {k: (s.count, s.bytes, s.seconds, s.exposed_seconds) for k, s in comm.stats.items()}
         sizes = {key: (s.bytes, s.seconds) for key, s in comm.by_size.items()}
-        return {"kinds": totals, "sizes": sizes, "prefetch": (schedule.prefetch_hits, schedule.starts)}
+        return {
+            "kinds": totals,
+            "sizes": sizes,
+            "prefetch": (schedule.prefetch_hits, schedule.starts),
+            "trace": (schedule.trace_changes, schedule.steps),
+        }
 
     def figures(self, trainer: "pl.Trainer") -> Figures:
         comm = self.engine.comm
@@ -109,6 +118,8 @@ class CommMonitor(Zero3Monitor):
             figures[f"{kind}/utilization"] = self._utilization(kind, now["sizes"], before["sizes"], peaks)
         hits, starts = (a - b for a, b in zip(now["prefetch"], before["prefetch"]))
         figures["prefetch_hit_rate"] = hits / starts if starts else NAN
+        changes, self._interval_steps = (a - b for a, b in zip(now["trace"], before.get("trace", (0, 0))))
+        figures["trace_changes"] = float(changes)
         return figures
 
     def _utilization(self, kind: str, now: dict, before: dict, peaks: dict) -> float:
@@ -126,6 +137,17 @@ class CommMonitor(Zero3Monitor):
 
     def advise(self, mean: Figures, maximum: Figures, trainer: "pl.Trainer") -> list[tuple[str, str]]:
         advice = []
+        changes, steps = maximum.get("trace_changes", 0.0), self._interval_steps
+        if steps and changes > steps / 2:
+            advice.append((
+                "trace_changes",
+                f"the order in which zero3's units run changed in {changes:.0f} of the last {steps} steps. Prefetch "
+                "follows the order recorded at the previous step, so it gathered units that did not run next "
+                "(they are released unused: wasted bandwidth). To change: make the order the same every step (run "
+                "every layer and mask its output instead of skipping it; call the model the same number of times "
+                "each step; keep modules chosen by the data inside one unit with `unit_modules`), or set "
+                "`prefetch_bucket_size=0` to gather each unit only when it starts.",
+            ))
         for kind, how in _HOW.items():
             utilization = mean.get(f"{kind}/utilization", NAN)
             if math.isfinite(utilization) and utilization < self.utilization_threshold:
@@ -135,7 +157,7 @@ class CommMonitor(Zero3Monitor):
                     f"its message sizes (threshold {self.utilization_threshold:.0%}), averaged over ranks: its "
                     f"messages are waiting behind compute or each other, or are too small. To change: {how}.",
                 ))
-        for kind in self.engine.comm.KINDS:
+        for kind in Communicator.KINDS:
             utilization = mean.get(f"{kind}/utilization", NAN)
             if math.isfinite(utilization) and utilization > 1:
                 advice.append((
@@ -157,5 +179,6 @@ class CommMonitor(Zero3Monitor):
                 "exposed seconds (max over ranks)": ["Multiline", [rf"zero3/comm/{kinds}/exposed_seconds/max"]],
                 "bytes (mean over ranks)": ["Multiline", [rf"zero3/comm/{kinds}/bytes/mean"]],
                 "prefetch hit rate": ["Multiline", [r"zero3/comm/prefetch_hit_rate/mean"]],
+                "steps whose unit order changed": ["Multiline", [r"zero3/comm/trace_changes/max"]],
             }
         }

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..engine import Communicator, Zero3Engine
 from ..engine.memory import return_free_heap
-from .atomic import MANIFEST, TRAINER_STATE, commit, partial_path, read_manifest, write_manifest
+from .atomic import MANIFEST, TRAINER_STATE, CheckpointError, commit, partial_path, read_manifest, write_manifest
 from .files import torch_load_checked, write_torch_file
 from .hf import HF_CONFIG, find_hf_model, hf_configuration
 from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
@@ -101,17 +102,52 @@ def write_sharded_checkpoint(
     merged = [merge_optimizer_rest([rank_rests[i] for rank_rests in everyone]) for i in range(len(rests))]
 
     partial = Path(comm.all_gather_objects(str(partial_path(path)) if comm.rank == 0 else None)[0])
-    if comm.rank == 0:
-        partial.mkdir(parents=True)
-    comm.all_gather_objects(None)  # the directory exists for everyone
-    save_pieces(state, partial, comm.group)
-    if comm.rank == 0:
+    # the directory exists for everyone, or everyone raises
+    agree_on_outcome(comm, path, "creating its directory", (lambda: partial.mkdir(parents=True)) if comm.rank == 0 else None)
+    try:
+        save_pieces(state, partial, comm.group)
+    except CheckpointException as error:  # DCP raises it on every rank, with every rank's failure
+        causes = {rank: f"{type(e).__name__}: {e}" for rank, (e, _) in error.failures.items()}
+        raise CheckpointError(_failure_message(path, "writing the shards", causes)) from None
+
+    def finish() -> None:
         write_torch_file({**extra, "optimizer_states": merged}, partial / TRAINER_STATE)
         for name, content in (files or {}).items():
             (partial / name).write_text(content)
         write_manifest(partial, {"world_size": comm.world_size, "params": params, "buffers": buffers})
         commit(partial, path)
-    comm.all_gather_objects(None)  # nobody returns before the checkpoint has its name
+
+    # nobody returns before the checkpoint has its name, and rank 0's outcome reaches everyone
+    agree_on_outcome(comm, path, "committing it", finish if comm.rank == 0 else None)
+
+
+def agree_on_outcome(comm: Communicator, path: Path, what: str, action: Optional[Callable[[], None]]) -> None:
+    """Run ``action`` (on the ranks that pass one), then tell every rank how it went: if it failed
+    anywhere, every rank raises the same ``CheckpointError`` (a collective).
+
+    [Note: a failed save fails everywhere]
+    Parts of a save run on rank 0 alone (creating the directory, the manifest, the rename). Were rank 0 to
+    raise there, the others would wait in the next collective until the timeout. So the outcome, an error
+    message or None, travels in the collective every rank runs anyway at that point."""
+    error = None
+    if action is not None:
+        try:
+            action()
+        except Exception as failure:  # noqa: BLE001 - reported on every rank below
+            error = f"{type(failure).__name__}: {failure}"
+    outcomes = comm.all_gather_objects(error)
+    causes = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
+    if causes:
+        raise CheckpointError(_failure_message(path, what, causes))
+
+
+def _failure_message(path: Path, what: str, causes: dict[int, str]) -> str:
+    listed = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(causes.items()))
+    return (
+        f"zero3: saving the checkpoint {path} failed while {what} ({listed}). No checkpoint was written under "
+        "that name; earlier checkpoints are untouched and load as before. Fix the cause (disk space, "
+        "permissions) and save again."
+    )
 
 
 def load_trainer_state(path: Path, weights_only: Optional[bool] = True) -> dict[str, Any]:

@@ -68,7 +68,12 @@ def commit(partial: Path, final: Path) -> None:
         os.rename(final, aside)
     elif final.exists():
         final.unlink()  # a single-file checkpoint of the same name is replaced by the directory
-    os.rename(partial, final)
+    try:
+        os.rename(partial, final)
+    except OSError:
+        if aside is not None:
+            os.rename(aside, final)  # the previous checkpoint keeps its name
+        raise
     _fsync_dir(final.parent)
     if aside is not None:
         shutil.rmtree(aside)

@@ -23,6 +23,7 @@ import torch
 
 from ..engine import Zero3Engine
 from ..engine.state import full_state_layout, gathered_state
+from .api import agree_on_outcome
 from .writers import TensorEntry, TorchFileWriter, placeholder
 
 #: what ``lightning_module_state_dict`` / ``optimizer_state`` hand Lightning in full mode: the values are
@@ -53,7 +54,7 @@ def save_full_checkpoint(
         ]
     staging = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
     writer = None
-    error: Optional[str] = None
+    error: Optional[Exception] = None
     try:
         if writing:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,17 +70,17 @@ def save_full_checkpoint(
                 remove_checkpoint(path)  # a sharded checkpoint of the same name is replaced by the file
             os.replace(staging, path)
     except Exception as failure:  # noqa: BLE001 - every rank learns of it below
-        error = f"{type(failure).__name__}: {failure}"
+        error = failure
         if writer is not None:
             writer.abort()
-        if engine.comm.world_size == 1:
-            raise
     finally:
         staging.unlink(missing_ok=True)
-    if engine.comm.world_size > 1:
-        errors = [e for e in engine.comm.all_gather_objects(error) if e]
-        if errors:
-            raise RuntimeError(f"zero3: saving the checkpoint {path} failed: {errors[0]}")
+
+    def report() -> None:
+        if error is not None:
+            raise error
+
+    agree_on_outcome(engine.comm, path, "writing it", report)  # [Note: a failed save fails everywhere]
 
 
 def _fsync(file: Path) -> None:

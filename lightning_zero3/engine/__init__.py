@@ -4,7 +4,7 @@ from .comm import Communicator
 from .engine import NoTrainableParametersError, Zero3Engine, engine_of, gathered_parameters, unshard
 from .optim import OptimizerShardingError
 from .released import ParameterNotGatheredError
-from .schedule import ExecutionOrderError
+from .agreement import ExecutionOrderError
 
 __all__ = [
     "Communicator",

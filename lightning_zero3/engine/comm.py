@@ -19,6 +19,17 @@ included). Per rank it takes the median (one stray slow call on a shared machine
 the slowest rank's median (a collective is over when it is over everywhere, and a MAX all-reduce gives every rank the same
 figures, so all ranks pick the same way), and keeps the fastest way per (kind, size).
 
+[Note: three process groups]
+All-gathers run on the job's group, in the order of the recorded execution trace, the same on every
+rank. Reduce-scatters run on a group of their own (same ranks, same backend, same timeout): a rank
+issues a unit's reduce-scatter once the unit's backward is over there (see ``grads.ReductionQueue``),
+a moment that legitimately differs between ranks relative to their all-gathers; on one group, gloo and
+NCCL would pair one rank's reduce-scatter with another rank's all-gather. A third group carries the
+tiny blocking identity checks that precede every all-gather (``agree``, see [Note: every all-gather is
+checked] in agreement.py): on the job's group a check would queue behind the large gathers in flight
+and wait for them (NCCL runs one group's collectives in order on one stream), undoing the prefetch; it
+is a gloo group whatever the job's backend (host tags, no device synchronisation).
+
 [Note: peak bandwidth]
 ``measure_peaks`` times each (kind, size) this job has used as nccl-tests does: on the job's own group,
 at the job's own message sizes, synchronously (each call alone on the group), after ``warmup`` untimed
@@ -39,6 +50,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -85,6 +97,10 @@ class Pending:
         self.done = False
         span.issued(work)
 
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return without blocking (the collective has completed)."""
+        return self.done or self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self.done:
             return
@@ -117,6 +133,10 @@ class Communicator:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
+        # see [Note: three process groups]; both are the job's group until ``open_side_groups``
+        self.reduce_group: Optional[dist.ProcessGroup] = group
+        self.check_group: Optional[dist.ProcessGroup] = group
+        self._side_groups: list[dist.ProcessGroup] = []
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
@@ -129,6 +149,7 @@ class Communicator:
         self._timings: deque[tuple[Span, list[CollectiveStats], int]] = deque()  # waited, not yet added
         self.choice: dict[tuple[str, int], str] = {}  # (kind, bytes of the full buffer) -> way, by ``tune``
         self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
+        self.checks = 0  # identity checks run by ``agree``
 
     def _sinks(self, kind: str, tensor: torch.Tensor) -> list[CollectiveStats]:
         """Where one collective of ``kind`` over ``tensor`` (the full buffer) is counted."""
@@ -185,6 +206,28 @@ class Communicator:
             for stats in sinks:
                 stats.add(nbytes, seconds, exposed)
 
+    def open_side_groups(self, timeout: Optional[timedelta] = None) -> None:
+        """Create the reduce-scatter and check groups (once; a collective over every rank of the job, as
+        ``torch.distributed.new_group`` is)."""
+        if not self.distributed or self._side_groups:
+            return
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        backend = dist.get_backend(self.group)
+        # not ``use_local_synchronization``: its groups are named after their ranks, and two groups of the
+        # same ranks would then meet under one name in the store. The checks run on gloo whatever the
+        # job's backend: 80-byte tags read on the host, no device stream to synchronise, no NCCL buffers.
+        reduce = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc="zero3_reduce")
+        check = dist.new_group(ranks, timeout=timeout, backend="gloo", group_desc="zero3_check")
+        self.reduce_group, self.check_group = reduce, check
+        self._side_groups = [reduce, check]
+
+    def close_side_groups(self) -> None:
+        """Destroy the groups ``open_side_groups`` made (local; the collectives on them must be done)."""
+        for group in self._side_groups:
+            dist.destroy_process_group(group)
+        self._side_groups = []
+        self.reduce_group = self.check_group = self.group
+
     def bus_factor(self, kind: str) -> float:
         return self.BUS_FACTOR[kind](self.world_size) if self.world_size > 1 else 1.0
 
@@ -217,12 +260,13 @@ class Communicator:
             return self._finish(Pending(self, None, span, self._sinks("reduce_scatter", full), nbytes, None), async_op)
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
+        group = self.reduce_group  # [Note: three process groups]
         if way == "all_reduce_slice":
-            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
             start = self.rank * output.numel()
             finish = lambda: output.copy_(full[start : start + output.numel()])  # noqa: E731
         else:
-            work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return self._finish(Pending(self, work, span, self._sinks("reduce_scatter", full), nbytes, finish), async_op)
 
     @staticmethod
@@ -249,21 +293,35 @@ class Communicator:
         Pending(self, work, span, self._sinks("broadcast", tensor), nbytes, None).wait()
         return tensor
 
-    def all_gather_objects(self, obj: Any) -> list:
-        """Every rank's ``obj``, in rank order. For small Python objects (layouts, scalars), never weights."""
+    def all_gather_objects(self, obj: Any, on_check_group: bool = False) -> list:
+        """Every rank's ``obj``, in rank order. For small Python objects (layouts, scalars), never weights.
+        ``on_check_group``: on the check group (see [Note: three process groups])."""
         if not self.distributed:
             return [obj]
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, obj, group=self.group)
+        dist.all_gather_object(everyone, obj, group=self.check_group if on_check_group else self.group)
         return everyone
 
-    def all_equal(self, value: int) -> bool:
-        """Whether every rank passed the same integer (used to check that ranks agree before acting)."""
+    def agree(self, tag: list[int], before: Optional[str] = None) -> list[list[int]]:
+        """Every rank's ``tag`` (a short list of integers, the same length on every rank), in rank order:
+        a blocking all-gather on the check group. ``before="all_gather"``: the check precedes that kind of
+        collective; the time spent here, waiting for the other ranks to reach it, is that collective's
+        time, and all of it exposed (as it was when the wait happened inside the collective itself);
+        the bytes and counts per message size stay the collective's own."""
         if not self.distributed:
-            return True
-        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        return int(both[0]) == value and int(-both[1]) == value
+            return [list(tag)]
+        start = time.perf_counter()
+        host = torch.device("cpu") if self._side_groups else self.device  # the check group is gloo's
+        mine = torch.tensor(tag, dtype=torch.int64, device=host)
+        everyone = torch.empty(self.world_size * len(tag), dtype=torch.int64, device=host)
+        dist.all_gather_single(everyone, mine, group=self.check_group)
+        rows = everyone.view(self.world_size, len(tag)).tolist()
+        self.checks += 1
+        if before is not None:
+            elapsed = time.perf_counter() - start
+            self.stats[before].seconds += elapsed
+            self.stats[before].exposed_seconds += elapsed
+        return rows
 
     @property
     def device(self) -> torch.device:

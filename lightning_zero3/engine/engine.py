@@ -24,8 +24,10 @@ from torch import nn
 
 from ..config import Zero3Config
 from . import gradients
+from .agreement import OrderCheck
 from .comm import Communicator
-from .hooks import HookManager, UnitRuntime
+from .grads import ReductionQueue
+from .hooks import HookManager
 from .materialize import InitFn, Materializer, has_meta_tensors
 from .memory import (
     GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, drop_pages, optimizer_state_bytes, resident_bytes,
@@ -33,6 +35,7 @@ from .memory import (
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
 from .optim import optimizer_params, shard_optimizer
+from .runtime import UnitRuntime
 from .schedule import Schedule
 from .shard import DtypePolicy, FlatGroup, ParamSlot
 from .state import full_optimizer_state, load_full_optimizer_state
@@ -85,6 +88,7 @@ class Zero3Engine:
             self._broadcast_buffers()
 
         self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
+        self.comm.open_side_groups(self.config.timeout)  # see [Note: three process groups] in comm.py
         if self.config.tune_collectives:
             # before any group exists: the tuning buffers are not stacked on top of the shards
             self.comm.tune(_collective_sizes(self.plan, dtypes, self.comm.world_size), self.device)
@@ -124,11 +128,15 @@ class Zero3Engine:
                 self._slot_of_shard[id(slot.shard_param)] = (runtime.group, slot)
                 setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
         cfg = self.config
+        self.order_check = OrderCheck([rt.group for rt in self.runtimes], self.comm)
+        for runtime in self.runtimes:
+            runtime.group.check = self.order_check.check
         self.schedule = Schedule(
-            units, self.comm, cfg.prefetch_bucket_size, cfg.max_live_parameters, cfg.max_reuse_distance
+            units, self.order_check, cfg.prefetch_bucket_size, cfg.max_live_parameters, cfg.max_reuse_distance
         )
+        queue = ReductionQueue(units, self.root, self.persistent, self.comm, cfg.reduce_bucket_size, cfg.overlap_comm)
         self.hooks = HookManager(
-            module, self.root, self.unit_runtimes, self.persistent, self.schedule, cfg.overlap_comm,
+            module, self.root, self.unit_runtimes, self.persistent, self.schedule, queue,
             cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0,
         )
         _ENGINES[module] = self
@@ -164,8 +172,9 @@ class Zero3Engine:
         self.schedule.prefetch_numel = config.prefetch_bucket_size
         self.schedule.max_live_numel = config.max_live_parameters
         self.schedule.max_reuse_distance = config.max_reuse_distance
-        self.hooks.overlap = config.overlap_comm
-        self.hooks.reduce_bucket_numel = config.reduce_bucket_size
+        self.hooks.coalesce_below = config.reduce_bucket_size
+        self.hooks.queue.bucket_numel = config.reduce_bucket_size
+        self.hooks.queue.overlap = config.overlap_comm
 
     def _start_offload(self) -> Optional[Offload]:
         """The offload tiers, after checking (NVMe) that the swap folder has room for every shard."""
@@ -487,12 +496,20 @@ class Zero3Engine:
         self.optimizers = []
         self.release_offload()
         self.pool.trim()
+        self.comm.close_side_groups()
 
     def release_offload(self) -> None:
         """Remove the swap files and stop the I/O threads (local; also safe after a failure)."""
         if self.offload is not None:
             self.offload.close()
             self.offload = None
+
+    def remove_swap_files(self) -> None:
+        """Delete this rank's swap folder now, touching nothing else (no thread is joined): for a process
+        about to end with ``os._exit``, which skips the interpreter's own clean-up (see watchdog.py)."""
+        swap = getattr(self.offload, "swap", None) if self.offload is not None else None
+        if swap is not None:
+            swap.remove()
 
     def _broadcast_buffers(self) -> None:
         with torch.no_grad():

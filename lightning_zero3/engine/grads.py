@@ -1,82 +1,150 @@
-"""Gradient reduction: full gradients of a group -> this rank's gradient shard.
+"""Gradient reduction: full gradients of a group -> this rank's gradient shard, in one order on every rank.
 
 After a group's backward, each rank holds full gradients (``param.grad``) computed from its own
-micro-batch. ``pack_gradients`` packs them into one flat buffer and divides by the world size (so the
-result is the mean over ranks, as DDP computes it); ``reduce_packed`` reduce-scatters one group, or a
-bucket of small groups in one collective, and adds this rank's slice into the shard parameters' ``.grad``. The full gradients are dropped right away. Gradients
-travel in the group's reduce dtype and are accumulated in the master dtype.
+micro-batch. ``pack_gradients`` packs them into one buffer and divides by the world size (so the result
+is the mean over ranks, as DDP computes it); ``reduce_packed`` reduce-scatters one group, or a bucket of
+small groups in one collective, and adds this rank's slice into the shard parameters' ``.grad``. The
+full gradients are dropped right away. Gradients travel in the group's reduce dtype and are accumulated
+in the master dtype. ``ReductionQueue`` decides when each group goes.
 
 Accumulation follows torch's own rule, per shard parameter: if its ``.grad`` is None (the optimizer's
 ``zero_grad`` ran) the reduced slice becomes the gradient, otherwise it is added. So
 ``accumulate_grad_batches`` reduces every micro-batch (memory stays at 1/N) and sums in the shard.
+
+[Note: which parameters had a gradient]
+DDP with ``find_unused_parameters=True`` leaves ``.grad`` alone (None after ``zero_grad``) for a
+parameter that no rank used, and gives a parameter that some ranks used the mean over all ranks, zeros
+counting for the others. To do the same, each rank appends one flag per trainable parameter (1 if the
+parameter has a gradient here, else 0) to *every* rank's slice of the packed buffer: the reduce-scatter
+sums the flags along with the gradients, so every rank learns how many ranks used each parameter, with
+no collective of its own. A parameter with count 0 keeps its ``.grad``. (A count is a sum of ones, exact
+in any reduce dtype up to 256 ranks in bf16, and never 0 when some rank used it.)
+
+[Note: reduction order]
+The n-th reduce-scatter of every rank must reduce the same groups, or gradients of one unit are summed
+into another's (equal sizes) or the collective fails (different sizes). Hooks fire in an order that
+depends on the rank's data (a parameter used on one rank only, a unit whose backward ends earlier), so
+reduce-scatters are not issued in arrival order but by a queue whose order every rank derives alike:
+the recorded backward trace (each unit at its last appearance; traces are compared across ranks when
+recorded), else reverse module order; trainable units missing from the trace after those, then the root
+and the persistent group. A unit is issued when its backward is over *and* every unit before it has
+been issued; every trainable unit is issued in every backward (with zero flags where nothing arrived),
+so the sequence of reduce-scatters is the same on every rank by construction. Consecutive small units
+share a bucket, flushed before the next large unit. Everything left is issued and completed when
+backward ends.
+
+Waiting for a reduce-scatter during backward (``MAX_INFLIGHT_REDUCES`` in flight, or
+``overlap_comm=False``) blocks this rank until every peer has issued it, that is, until the unit's
+backward is over there too. That is safe when the unit has a post-backward signal
+(``UnitRuntime.ends_alike``): every rank reaches that point of backward, needing nothing from this rank
+that it has not issued already. A unit without one (no input needs gradients) whose parameters got no
+gradient on some rank ends there only when backward ends, after gathers that this rank, blocked, would
+never issue. So such a reduce-scatter is not waited for during backward: the next unit waits its turn
+instead (its full gradients stay alive meanwhile), and under ``overlap_comm=False`` the unit is reduced
+when backward ends.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
+
 import torch
 
-from typing import Optional
-
 from .comm import Communicator, Pending
+from .memory import BufferPool
 from .shard import FlatGroup
 
+if TYPE_CHECKING:
+    from .runtime import UnitRuntime
 
-def pack_gradients(group: FlatGroup, comm: Communicator) -> Optional[torch.Tensor]:
-    """The group's full gradients as one flat, padded buffer in the reduce dtype, divided by the world
-    size; the parameters' own ``.grad`` are freed. None when the group has nothing trainable."""
+MAX_INFLIGHT_REDUCES = 2
+
+
+class Packed(NamedTuple):
+    """One group's gradients ready to reduce: ``buffer`` is (world, shard_numel + k), row r what rank r
+    receives: its slice of the gradients, then the k flags of [Note: which parameters had a gradient]."""
+
+    group: FlatGroup
+    buffer: torch.Tensor
+    used_here: list[bool]  # per trainable slot: this rank had a gradient for it
+    ends_alike: bool  # its unit's backward ends at the same point on every rank (UnitRuntime.ends_alike)
+
+    @property
+    def width(self) -> int:
+        return self.buffer.shape[1]
+
+
+def _new_buffer(pool: BufferPool, world: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where every packed gradient buffer comes from: the engine's staging pool (zeroed), given back once the
+    reduce-scatter that reads it has completed (see [Note: reused staging buffers] in memory.py)."""
+    return pool.take(world * width, dtype, device, zero=True).view(world, width)
+
+
+def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True) -> Optional[Packed]:
+    """The group's full gradients packed for ``reduce_packed``, divided by the world size; the parameters'
+    own ``.grad`` are freed. None when the group has nothing trainable."""
     if not group.trainable:
         return None
-    flat = group.pool.take(group.full.numel(), group.reduce_dtype, group.shard.device, zero=True)
-    for slot in group.trainable_slots:
+    world, width = comm.world_size, group.shard_numel
+    slots = group.trainable_slots
+    buffer = _new_buffer(group.pool, world, width + len(slots), group.reduce_dtype, group.shard.device)
+    grads = buffer[:, :width]
+    used = []
+    for index, slot in enumerate(slots):
         grad = slot.param.grad
-        if grad is not None:
-            flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-            slot.param.grad = None
-    if comm.world_size > 1:
-        flat.div_(comm.world_size)
-    return flat
+        had = group.had_gradient(slot)
+        used.append(had)
+        if had and grad is not None:
+            _copy_rows(grads, slot.offset, grad.detach().reshape(-1))
+            buffer[:, width + index] = 1
+    group.gradients_packed()
+    if world > 1:
+        grads.div_(world)
+    return Packed(group, buffer, used, ends_alike)
 
 
-def reduce_packed(
-    packed: list[tuple[FlatGroup, torch.Tensor]], comm: Communicator, async_op: bool = False
-) -> Optional["_Accumulation"]:
+def _copy_rows(rows: torch.Tensor, offset: int, flat: torch.Tensor) -> None:
+    """Write ``flat`` at ``offset`` of the padded full layout, which ``rows`` (world, S) holds row by row."""
+    width, done = rows.shape[1], 0
+    while done < flat.numel():
+        row, col = divmod(offset + done, width)
+        n = min(width - col, flat.numel() - done)
+        rows[row, col : col + n].copy_(flat[done : done + n])
+        done += n
+
+
+def reduce_packed(packed: list[Packed], comm: Communicator, async_op: bool = False) -> Optional["_Accumulation"]:
     """One reduce-scatter for the packed gradients of one or more groups (a bucket).
 
     [Note: coalesced reduce-scatter]
-    A reduce-scatter hands rank r the r-th contiguous slice of its input. For several groups at once,
-    the input is laid out rank-major, ``[g1 slice 0 | g2 slice 0 | ... | g1 slice 1 | g2 slice 1 | ...]``,
-    so rank r receives ``[g1 slice r | g2 slice r | ...]``: each group's shard, side by side.
+    A reduce-scatter hands rank r the r-th contiguous slice of its input. Each packed buffer is laid out
+    row by row (row r: what rank r receives); several groups go side by side, ``[g1 row 0 | g2 row 0 | ...
+    | g1 row 1 | g2 row 1 | ...]``, so rank r receives ``[g1 row r | g2 row r | ...]``.
     """
-    pool = packed[0][0].pool  # every buffer here is a staging buffer, back to the pool once done
+    first, pool = packed[0].buffer, packed[0].group.pool
     if len(packed) == 1:
-        group, flat = packed[0]
-        reduced = pool.take(group.shard_numel, flat.dtype, flat.device)
-        pending = comm.reduce_scatter(reduced, flat, async_op=True)
-        assert pending is not None
-        return _Accumulation(pending, [(group, reduced)], [flat], reduced).finish(async_op)
-    world = comm.world_size
-    widths = [group.shard_numel for group, _ in packed]
-    first = packed[0][1]
-    rank_major = pool.take(world * sum(widths), first.dtype, first.device).view(world, sum(widths))
-    offset = 0
-    pieces = []
-    for (group, flat), width in zip(packed, widths):
-        rank_major[:, offset : offset + width].copy_(flat.view(world, width))
-        pool.give(flat)
-        pieces.append((group, offset, width))
-        offset += width
-    reduced = pool.take(offset, first.dtype, first.device)
-    pending = comm.reduce_scatter(reduced, rank_major.view(-1), async_op=True)
+        send = first
+    else:
+        send = _new_buffer(pool, comm.world_size, sum(p.width for p in packed), first.dtype, first.device)
+        torch.cat([p.buffer for p in packed], dim=1, out=send)
+        for item in packed:
+            pool.give(item.buffer.view(-1))
+    reduced = pool.take(send.shape[1], first.dtype, first.device)
+    pending = comm.reduce_scatter(reduced, send.view(-1), async_op=True)
     assert pending is not None
-    results = [(group, reduced[start : start + width]) for group, start, width in pieces]
-    return _Accumulation(pending, results, [rank_major.view(-1)], reduced).finish(async_op)
+    results, start = [], 0
+    for item in packed:
+        results.append((item, reduced[start : start + item.width]))
+        start += item.width
+    return _Accumulation(pending, results, [send.view(-1)], reduced).finish(async_op)
 
 
 class _Accumulation:
     """A reduce-scatter in flight and what to do with its result: add each group's slice into its shard
     gradients. ``keep`` holds the buffers the collective reads until it completes."""
 
-    def __init__(self, pending: Pending, results: list[tuple[FlatGroup, torch.Tensor]], keep: list, reduced: torch.Tensor) -> None:
+    def __init__(self, pending: Pending, results: list[tuple[Packed, torch.Tensor]], keep: list, reduced: torch.Tensor) -> None:
         self.pending, self.results, self.keep, self.reduced = pending, results, keep, reduced
         self.done = False
 
@@ -86,11 +154,18 @@ class _Accumulation:
         self.wait()
         return None
 
+    def ready(self) -> bool:
+        return self.done or self.pending.ready()
+
+    @property
+    def ends_alike(self) -> bool:
+        return all(item.ends_alike for item, _ in self.results)
+
     def wait(self) -> None:
         if self.done:
             return
         self.pending.wait()
-        pool = self.results[0][0].pool
+        pool = self.results[0][0].group.pool
         for buffer in self.keep:
             pool.give(buffer)
         # ``reduced`` goes back once every copy reading it (to an offload tier) has completed
@@ -101,26 +176,33 @@ class _Accumulation:
             if readers[0] == 0:
                 pool.give(self.reduced)
 
-        for group, reduced in self.results:
-            _accumulate(group, reduced, read)
+        for item, reduced in self.results:
+            _accumulate(item, reduced, read)
         self.results, self.keep = [], []
         self.done = True
 
 
-def _accumulate(group: FlatGroup, reduced: torch.Tensor, read) -> None:
+def _accumulate(item: Packed, reduced: torch.Tensor, read: Callable[[], None] = lambda: None) -> None:
     """Add ``reduced`` into the group's gradient shard; ``read()`` once nothing reads ``reduced`` any more."""
-    if group.store is not None:  # offload: the gradient shard lives with the master
-        group.store.accumulate(reduced, read)
+    group = item.group
+    grads = reduced[: group.shard_numel]
+    if group.store is not None:  # offload: the gradient shard lives with the master (see README, DDP differences)
+        group.store.accumulate(grads, read)
         return
-    _accumulate_on_device(group, reduced)
+    _accumulate_on_device(item, reduced)
     read()
 
 
-def _accumulate_on_device(group: FlatGroup, reduced: torch.Tensor) -> None:
-    for slot in group.trainable_slots:
-        if slot.hi == slot.lo:
-            continue
-        piece = reduced[slot.lo : slot.hi]
+def _accumulate_on_device(item: Packed, reduced: torch.Tensor) -> None:
+    group = item.group
+    grads = reduced[: group.shard_numel]
+    slots = group.trainable_slots
+    # counts are read (a host sync on a GPU) only when this rank lacks a gradient that another may have had
+    counts = None if all(item.used_here) else reduced[group.shard_numel :].tolist()
+    for index, slot in enumerate(slots):
+        if slot.hi == slot.lo or (counts is not None and counts[index] == 0):
+            continue  # nothing of it here, or no rank used it: ``.grad`` stays as it is
+        piece = grads[slot.lo : slot.hi]
         shard_param = slot.shard_param
         if shard_param.grad is None:
             view = group.grad_shard[slot.lo : slot.hi]
@@ -128,3 +210,84 @@ def _accumulate_on_device(group: FlatGroup, reduced: torch.Tensor) -> None:
             shard_param.grad = view
         else:
             shard_param.grad.add_(piece)
+
+
+class ReductionQueue:
+    """Issues the reduce-scatters of one backward pass in the order of [Note: reduction order]."""
+
+    def __init__(
+        self,
+        units: list["UnitRuntime"],
+        root: Optional["UnitRuntime"],
+        persistent: Optional["UnitRuntime"],
+        comm: Communicator,
+        bucket_numel: int,
+        overlap: bool,
+    ) -> None:
+        self.units = [rt for rt in units if rt.trainable]  # in module order
+        self.last = [rt for rt in (root, persistent) if rt is not None and rt.trainable]
+        self.comm = comm
+        self.bucket_numel = bucket_numel
+        self.overlap = overlap
+        self.order: list["UnitRuntime"] = []
+        self._next = 0  # index in ``order`` of the next unit to issue
+        self._bucket: list[Packed] = []
+        self._inflight: deque[_Accumulation] = deque()
+        self.issued = 0  # reduce-scatters issued (for tests and monitors)
+
+    def order_for(self, backward_trace: list["UnitRuntime"]) -> list["UnitRuntime"]:
+        """The order of this backward's reductions, from the last recorded backward trace."""
+        last_seen = {id(rt): i for i, rt in enumerate(backward_trace)}
+        traced = sorted((rt for rt in self.units if id(rt) in last_seen), key=lambda rt: last_seen[id(rt)])
+        untraced = [rt for rt in reversed(self.units) if id(rt) not in last_seen]
+        return traced + untraced + self.last
+
+    def begin(self, backward_trace: list["UnitRuntime"]) -> None:
+        self.order, self._next = self.order_for(backward_trace), 0
+
+    def advance(self, finishing: bool = False) -> None:
+        """Issue every unit whose turn has come (its backward over, all before it issued). During backward
+        nothing blocks (see [Note: reduction order]); ``finishing`` (backward ended) waits as needed."""
+        self._retire()
+        while self._next < len(self.order):
+            runtime = self.order[self._next]
+            if not runtime.backward_over or (not self.overlap and not finishing and not runtime.ends_alike):
+                return
+            if self.overlap and len(self._inflight) >= MAX_INFLIGHT_REDUCES:
+                if not (finishing or self._inflight[0].ends_alike):
+                    return  # its turn comes at a later hook, or when backward ends
+                self._inflight.popleft().wait()
+            self._next += 1
+            runtime.reduced = True
+            packed = pack_gradients(runtime.group, self.comm, runtime.ends_alike)
+            assert packed is not None
+            if packed.group.full.numel() >= self.bucket_numel:
+                self._flush()
+                self._issue([packed])
+            else:
+                self._bucket.append(packed)
+                if sum(p.group.full.numel() for p in self._bucket) >= self.bucket_numel:
+                    self._flush()
+
+    def finish(self) -> None:
+        """Backward is over: issue what is left, in order, and complete every reduction."""
+        self.advance(finishing=True)
+        self._flush()
+        while self._inflight:
+            self._inflight.popleft().wait()
+        self.order = []
+
+    def _retire(self) -> None:
+        while self._inflight and self._inflight[0].ready():
+            self._inflight.popleft().wait()
+
+    def _flush(self) -> None:
+        if self._bucket:
+            bucket, self._bucket = self._bucket, []
+            self._issue(bucket)
+
+    def _issue(self, packed: list[Packed]) -> None:
+        self.issued += 1
+        accumulation = reduce_packed(packed, self.comm, async_op=self.overlap)
+        if accumulation is not None:
+            self._inflight.append(accumulation)

@@ -1,33 +1,45 @@
-"""Module and autograd hooks: when each unit is gathered, reduced and released.
+"""Module and autograd hooks: when each unit is gathered, released and handed to the reduction queue.
 
-Per unit, three reasons keep its full parameters gathered; it is released when none holds:
-  - ``forward_depth``: its forward is running (nested or repeated calls count separately);
-  - ``backward_hold``: its backward has started (or is due right after its forward, see
-    ``Schedule.keep_for_backward``) and its gradients are not reduced yet;
-  - ``context_holds``: a ``gathered_parameters`` block is open on it.
+Forward:  pre-hook gathers (and prefetches the next units, see ``schedule.py``) and passes the unit's
+          inputs that need gradients through ``_PostBackward``; post-hook registers a pre-backward hook on
+          the outputs and releases.
+Backward: the pre-backward hook (first gradient reaching an output) re-gathers. The unit's backward is
+          over when every trainable parameter has its gradient, or when ``_PostBackward`` fires, or at
+          the end of backward, whichever comes first: it is released then and, if trainable, handed to
+          the reduction queue (``grads.ReductionQueue``), which reduce-scatters in an order every rank
+          shares.
+End:      a callback queued on the autograd engine ends every unit's backward, lets the queue finish and
+          releases everything not held by a running forward.
+The reasons that keep a unit gathered, and its states within a backward, are in ``runtime.py``.
 
-Forward:  pre-hook gathers (and prefetches the next units, see ``schedule.py``); post-hook registers a
-          pre-backward hook on the outputs and releases.
-Backward: the pre-backward hook (first gradient reaching an output) re-gathers; each parameter's
-          post-accumulate-grad hook counts it in; when every trainable parameter of the group has its
-          gradient, the group's gradients are reduce-scattered and the unit is released.
-End:      a callback queued on the autograd engine reduces what is left (parameters that got no
-          gradient this step) and releases everything not held by a running forward.
+[Note: post-backward signal]
+A unit whose parameters did not all get a gradient (an expert no token was routed to, a frozen unit)
+would otherwise stay gathered, and its reduction pending, until backward ends. As torch FSDP2 does, the
+pre-forward hook passes the unit's input tensors that need gradients through an identity autograd
+Function; its backward runs when the gradients of those inputs are computed, which is once every node
+the unit's forward created has run (the autograd engine runs ready nodes newest first, and every node of
+the unit is newer than the identity). A unit called k times waits for its k signals (tokens held by the
+graph, so a graph dropped without backward drops its token). Frozen units are released this way as soon
+as their backward is over, and are not held for backward at all when their outputs need no gradient.
+The identity returns detached aliases of its inputs (same storage, same version counter), not the inputs
+themselves, which autograd would turn into views that refuse in-place changes: a module may modify its
+input in place exactly as it could without zero3.
 
 [Note: forward inside backward]
 Activation checkpointing re-runs a unit's forward during backward. Releasing after that forward would
 free weights that the recomputed graph is about to use, and torch's non-reentrant checkpoint may stop
 the recomputation early, so the post-forward hook may never run. Hence a pre-forward hook that runs
 inside backward (``_current_graph_task_id() != -1``) takes a backward hold, released like any other
-once the unit's gradients are reduced, and the post-forward hook does nothing there. Autograd
-calls a parameter's accumulate node once per backward even when the parameter was used several times
-(a module called twice, tied weights), so the gradient count stays exact; should a later gradient
-arrive anyway, the end-of-backward callback reduces it (reduction adds into the shard).
+once the unit's backward is over, and adds no post-backward signal (the original forward's is in the
+graph); the post-forward hook does nothing there. Autograd calls a parameter's accumulate node once per
+backward even when the parameter was used several times (a module called twice, tied weights), so the
+gradient count stays exact. A gradient that arrives after its unit was reduced (a parameter used outside
+its unit's forward) is an error: every rank has already sent that unit.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,52 +47,39 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from .comm import Communicator
-from .grads import pack_gradients, reduce_packed
+from .agreement import ExecutionOrderError
+from .grads import ReductionQueue
+from .runtime import PostBackwardToken, UnitRuntime
 from .schedule import Schedule
-from .shard import FlatGroup, start_gathers
+from .shard import start_gathers
 
 
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class UnitRuntime:
-    """The gather / release / reduce state of one flat group (a unit's, or the persistent one)."""
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward calls ``fire(token)`` (see [Note: post-backward signal])."""
 
-    def __init__(self, name: str, group: FlatGroup, comm: Communicator) -> None:
-        self.name = name
-        self.group = group
-        self.comm = comm
-        self.forward_depth = 0
-        self.backward_hold = False
-        self.backward_started = False  # its pre-backward hook ran in the current backward
-        self.context_holds = 0
-        self.grads_ready = 0  # trainable parameters whose gradient arrived this backward
+    @staticmethod
+    def forward(ctx: Any, fire: Callable, token: PostBackwardToken, *tensors: torch.Tensor) -> tuple:
+        ctx.fire, ctx.token = fire, token
+        # aliases, not the inputs themselves: autograd would make those views that refuse in-place changes
+        return tuple(t.detach() for t in tensors)
 
-    def acquire(self) -> None:
-        self.group.gather()
-
-    def maybe_release(self) -> None:
-        if self.forward_depth == 0 and not self.backward_hold and self.context_holds == 0:
-            self.group.release()
-
-    def pack(self):
-        """This unit's gradients, packed for reduction (see ``grads.pack_gradients``)."""
-        self.grads_ready = 0
-        return pack_gradients(self.group, self.comm)
-
-
-MAX_INFLIGHT_REDUCES = 2
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.fire(ctx.token)
+        return (None, None, *grads)
 
 
 class HookManager:
-    """Installs the hooks of every unit and drives ``UnitRuntime`` (and the prefetch ``Schedule``) from them.
+    """Installs the hooks of every unit and drives ``UnitRuntime``, the prefetch ``Schedule`` and the
+    ``ReductionQueue`` from them.
 
     The root unit (if it owns sharded parameters) is gathered for the whole forward and backward and
-    is not prefetched; a forward of the root module starts a new pass of the schedule. With
-    ``overlap``, prefetched gathers and reduce-scatters run asynchronously, at most
-    ``MAX_INFLIGHT_REDUCES`` reduce-scatters in flight; everything is complete when backward ends.
+    is not prefetched; a forward of the root module starts a new pass of the schedule. Prefetched gathers
+    run asynchronously; everything is complete when backward ends.
     """
 
     def __init__(
@@ -90,25 +89,23 @@ class HookManager:
         units: list[tuple[nn.Module, UnitRuntime]],
         persistent: Optional[UnitRuntime],
         schedule: Schedule,
-        overlap: bool,
-        reduce_bucket_numel: int = 0,
+        queue: ReductionQueue,
+        coalesce_below: int = 0,
         read_ahead: int = 0,
     ) -> None:
         self.root = root
         self.read_ahead = read_ahead  # units whose parameter shards are read from NVMe ahead of use
-        self.reduce_bucket_numel = reduce_bucket_numel
-        self._bucket: list = []  # packed gradients of small units waiting to be reduced together
+        self.coalesce_below = coalesce_below  # units smaller than this share one all-gather
         self.schedule = schedule
-        self.overlap = overlap
+        self.queue = queue
         self.runtimes = [rt for rt in [root, *(rt for _, rt in units), persistent] if rt is not None]
         self._handles: list[RemovableHandle] = []
         self._root_depth = 0
         self._backward_running = False  # a backward pass has started and its end callback is queued
-        self._reductions: deque = deque()  # reduce-scatters in flight
         self._handles.append(root_module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self._handles.append(root_module.register_forward_hook(self._root_post_forward))
         for module, runtime in ([(root_module, root)] if root else []) + units:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward(runtime)))
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(runtime), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward(runtime)))
         for runtime in self.runtimes:
             for slot in runtime.group.trainable_slots:
@@ -124,11 +121,20 @@ class HookManager:
         if runtime is self.root:
             runtime.acquire()
             return
-        ahead = self.schedule.on_start(phase, runtime)
+        start = self.schedule.on_start(phase, runtime)
+        if start.changed:
+            self._release_unheld(keep=runtime)  # prefetched for the old order
         for unit in self.schedule.upcoming(phase, self.read_ahead):
             unit.group.prefetch_input()
-        start_gathers([runtime.group] + [unit.group for unit in ahead], self.reduce_bucket_numel)
+        start_gathers([runtime.group] + [unit.group for unit in start.ahead], self.coalesce_below)
         runtime.acquire()
+
+    def _release_unheld(self, keep: Optional[UnitRuntime] = None) -> None:
+        """Release every unit that is gathered (or in flight) for no reason any more: prefetched for an
+        order that did not come. Every rank prefetched the same units, so every rank releases the same."""
+        for runtime in self.runtimes:
+            if runtime is not keep and not runtime.held():
+                runtime.maybe_release()
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -141,18 +147,36 @@ class HookManager:
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not in_backward():
             self._root_depth -= 1
+            if self._root_depth == 0:
+                self.schedule.end_forward()
+                self._release_unheld()  # prefetched beyond where this pass stopped
 
     def _pre_forward(self, runtime: UnitRuntime) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
             if in_backward():
                 # [Note: forward inside backward]
                 runtime.backward_hold = True
                 runtime.acquire()
-                return
+                return None
             runtime.forward_depth += 1
             self._start("forward", runtime)
+            if torch.is_grad_enabled():
+                return self._signal_post_backward(runtime, args, kwargs)
+            return None
 
         return hook
+
+    def _signal_post_backward(self, runtime: UnitRuntime, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """Pass the inputs that need gradients through ``_PostBackward`` (see [Note: post-backward signal])."""
+        found = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+        if not found:
+            return None
+        token = PostBackwardToken()
+        runtime.awaiting.add(token)
+        runtime.signals += 1
+        passed = _PostBackward.apply(functools.partial(self._post_backward, runtime), token, *found)
+        swap = {id(t): out for t, out in zip(found, passed)}
+        return _replace_tensors((args, kwargs), swap)
 
     def _post_forward(self, runtime: UnitRuntime) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -160,8 +184,9 @@ class HookManager:
                 return  # [Note: forward inside backward]
             runtime.forward_depth -= 1
             if torch.is_grad_enabled():
-                self._register_pre_backward(runtime, output)
-                if runtime is not self.root and self.schedule.keep_for_backward(runtime):
+                needing = [t for t in _tensors_in(output) if t.requires_grad]
+                self._register_pre_backward(runtime, needing)
+                if needing and runtime is not self.root and self.schedule.keep_for_backward(runtime):
                     runtime.backward_hold = True  # re-used right away by backward: do not release
             runtime.maybe_release()
 
@@ -169,76 +194,71 @@ class HookManager:
 
     # -- backward ---------------------------------------------------------------------------------
 
-    def _register_pre_backward(self, runtime: UnitRuntime, output: Any) -> None:
+    def _register_pre_backward(self, runtime: UnitRuntime, tensors: list[torch.Tensor]) -> None:
         def hook(grad: torch.Tensor) -> None:
             self._begin_backward()
-            if not runtime.backward_started:
+            if not runtime.backward_started and not runtime.backward_over:
                 runtime.backward_started = True
                 runtime.backward_hold = True
                 self._start("backward", runtime)
+                runtime.group.land_gradients()  # [Note: gradients land in a pooled buffer] in shard.py
+            self.queue.advance()
 
-        for tensor in _tensors_in(output):
-            if tensor.requires_grad:
-                tensor.register_hook(hook)
+        for tensor in tensors:
+            tensor.register_hook(hook)
+
+    def _post_backward(self, runtime: UnitRuntime, token: PostBackwardToken) -> None:
+        self._begin_backward()
+        runtime.awaiting.discard(token)
+        if not runtime.awaiting:
+            self._backward_over(runtime)
 
     def _grad_ready(self, runtime: UnitRuntime) -> Callable:
         def hook(param: torch.Tensor) -> None:
             self._begin_backward()
+            if runtime.reduced:
+                raise ExecutionOrderError(
+                    f"zero3: {getattr(param, '_zero3_name', 'a parameter')} of unit {runtime.name!r} received its "
+                    "gradient after the unit's backward was over and its gradients were sent: the parameter is "
+                    "used outside its unit's forward. Use it only inside that module's forward, or choose "
+                    "`unit_modules` so that every module using it sits in one unit."
+                )
             runtime.grads_ready += 1
-            if runtime.grads_ready >= len(runtime.group.trainable_slots):
-                self._reduce(runtime)
-                runtime.backward_hold = False
-                runtime.maybe_release()
+            runtime.group.note_arrival(param)
+            if runtime.all_grads_in():
+                self._backward_over(runtime)
+            else:
+                self.queue.advance()
 
         return hook
 
-    def _reduce(self, runtime: UnitRuntime) -> None:
-        """Reduce a unit's gradients: alone if it is large, else in a bucket with other small units,
-        sent once it holds ``reduce_bucket_numel`` elements (or when backward ends)."""
-        flat = runtime.pack()
-        if flat is None:
-            return
-        if flat.numel() >= self.reduce_bucket_numel:
-            self._issue([(runtime.group, flat)])
-            return
-        self._bucket.append((runtime.group, flat))
-        if sum(f.numel() for _, f in self._bucket) >= self.reduce_bucket_numel:
-            self._flush_bucket()
-
-    def _flush_bucket(self) -> None:
-        if self._bucket:
-            bucket, self._bucket = self._bucket, []
-            self._issue(bucket)
-
-    def _issue(self, packed: list) -> None:
-        accumulation = reduce_packed(packed, packed[0][0].comm, async_op=self.overlap)
-        if accumulation is not None:
-            self._reductions.append(accumulation)
-            while len(self._reductions) > MAX_INFLIGHT_REDUCES:
-                self._reductions.popleft().wait()
+    def _backward_over(self, runtime: UnitRuntime) -> None:
+        if runtime.end_backward():
+            runtime.maybe_release()
+        self.queue.advance()
 
     def _begin_backward(self) -> None:
         if not self._backward_running:
             self._backward_running = True
             self.schedule.begin("backward")
+            self.queue.begin(self.schedule.traces["backward"])
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
-        for runtime in self.runtimes:
-            if runtime.grads_ready > 0:
-                self._reduce(runtime)
-        self._flush_bucket()
-        while self._reductions:
-            self._reductions.popleft().wait()
-        for runtime in self.runtimes:
-            runtime.backward_hold = runtime.backward_started = False
-            runtime.maybe_release()
-        self.schedule.end_backward()
-        self._backward_running = False
+        try:
+            for runtime in self.runtimes:
+                runtime.end_backward()
+            self.queue.finish()
+        finally:
+            for runtime in self.runtimes:
+                runtime.reset_backward()
+                runtime.maybe_release()
+            self._backward_running = False
+        self.schedule.end_backward()  # compares recorded traces across ranks (may raise)
 
 
 def _tensors_in(output: Any) -> list[torch.Tensor]:
-    """Every tensor inside a (nested) module output: tensors, lists, tuples, dicts, dataclass-like."""
+    """Every tensor inside a (nested) structure: tensors, lists, tuples, dicts."""
     found: list[torch.Tensor] = []
     stack = [output]
     while stack:
@@ -250,3 +270,17 @@ def _tensors_in(output: Any) -> list[torch.Tensor]:
         elif isinstance(item, dict):
             stack.extend(item.values())
     return found
+
+
+def _replace_tensors(item: Any, swap: dict[int, torch.Tensor]) -> Any:
+    """``item`` with every tensor whose id is in ``swap`` replaced (lists, tuples, named tuples, dicts)."""
+    if isinstance(item, torch.Tensor):
+        return swap.get(id(item), item)
+    if isinstance(item, list):
+        return [_replace_tensors(x, swap) for x in item]
+    if isinstance(item, tuple):
+        values = [_replace_tensors(x, swap) for x in item]
+        return type(item)(*values) if hasattr(item, "_fields") else tuple(values)
+    if isinstance(item, dict):
+        return type(item)((k, _replace_tensors(v, swap)) for k, v in item.items())
+    return item

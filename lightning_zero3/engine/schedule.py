@@ -1,66 +1,132 @@
 """Execution-order trace and the prefetch window.
 
 While *recording* (every forward until the first backward has finished), the schedule writes down the
-order in which units start forward and backward, and checks at each unit that every rank is at the
-same unit (a tiny all-reduce of the unit's index): ranks that would run different units fail there with
-an error naming both modules, instead of hanging in mismatched all-gathers.
+order in which units start forward and backward. At the end of every backward the traces are compared
+across ranks (``OrderCheck.check_traces``, one tiny collective where the ranks wait for each other's
+reduce-scatters anyway): the reduction order is derived from the backward trace, so it must be the same
+everywhere, and a rank whose order changed differently from the others' fails there, on every rank,
+with the differing units named. (Whether ranks gather the same units is checked at every gather, see
+[Note: every all-gather is checked] in agreement.py.)
 
 After that, the traces drive prefetch: when a unit starts, the next units in the trace are gathered
 asynchronously, as many as fit in ``prefetch_bucket_size`` elements, with at most
 ``MAX_INFLIGHT_GATHERS`` gathers in flight and never more than ``max_live_parameters`` elements
-gathered, so peak memory is the same every step. A unit that runs out of trace order afterwards is an
-error: prefetching would otherwise issue collectives that other ranks do not.
+gathered, so peak memory is the same every step.
+
+[Note: the trace may change]
+A model may change its execution order between steps, the same way on every rank: a layer dropped by a
+draw from a shared seed, a different number of model calls per step, generation that stops at a length
+all ranks agree on. When a unit starts out of trace order (or a pass ends before its trace does), the
+trace of that phase is re-recorded from that point for the rest of the pass, prefetch stops for the
+rest of the pass, and the gathers already prefetched for the old order are released by the hooks (every
+rank prefetched the same units, so every rank releases the same ones). From the next pass on, prefetch
+follows the new trace. ``trace_changes`` counts the training steps whose order changed; when most steps
+change it, prefetch gathers units that are not used next (``CommMonitor`` says so). A rank whose order
+changes differently from the others fails at the next gather or at the end of that backward, on every
+rank.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from .comm import Communicator
+import torch
+
+from .agreement import ExecutionOrderError, OrderCheck
 
 if TYPE_CHECKING:
-    from .hooks import UnitRuntime
+    from .runtime import UnitRuntime
+
+__all__ = ["ExecutionOrderError", "Schedule", "Start", "MAX_INFLIGHT_GATHERS"]
 
 MAX_INFLIGHT_GATHERS = 2
+PHASES = ("forward", "backward")
 
 
-class ExecutionOrderError(RuntimeError):
-    """Ranks run units in different orders, or the order changed after the first step."""
+class Start(NamedTuple):
+    ahead: list  # units to gather ahead of use, in order
+    changed: bool  # the unit ran out of trace order: what was prefetched for the old order is stale
 
 
 class Schedule:
     def __init__(
         self,
         units: list["UnitRuntime"],
-        comm: Communicator,
+        check: OrderCheck,
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int = 0,
     ) -> None:
         self.units = units
-        self.index = {id(rt): i for i, rt in enumerate(units)}
-        self.comm = comm
+        self.check = check
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
-        self.recording = True
         self.traces: dict[str, list["UnitRuntime"]] = {"forward": [], "backward": []}
         self.cursors = {"forward": 0, "backward": 0}
+        self.recording = {"forward": True, "backward": True}
+        self.first_recording = True  # every pass records until the first backward has finished
+        self._rerecording = {"forward": False, "backward": False}  # see [Note: the trace may change]
+        self._recorded_this_step = False  # a trace changed in this step: reuse distances are recomputed
+        self._changed_this_step = False
+        self.phase = "outside"  # or "forward" / "backward" while a pass runs
         self.max_reuse_distance = max_reuse_distance
         self.reuse_distance: dict[int, int] = {}  # unit -> elements gathered between its forward and backward
         self.prefetched = 0  # gathers issued ahead of use
         self.prefetch_hits = 0  # units that were already gathered (or in flight) when they started
         self.starts = 0  # units started (forward or backward): the hit rate's denominator
+        self.steps = 0  # backward passes finished
+        self.trace_changes = 0  # backward passes whose forward or backward order differed from the trace
 
     def begin(self, phase: str) -> None:
         """A new forward (root starts) or backward (first unit's backward starts)."""
+        self.check.enter(phase)
+        self.phase = phase
         self.cursors[phase] = 0
-        if self.recording:
+        if self.first_recording:
             self.traces[phase] = []
+        elif self._rerecording[phase]:
+            self.recording[phase] = self._rerecording[phase] = False  # the new order is the trace now
+
+    def end_forward(self) -> None:
+        """The root's forward returned."""
+        self._end_pass("forward")
+        self.check.enter("outside")
+        self.phase = "outside"
 
     def end_backward(self) -> None:
-        if self.recording and self.traces["forward"]:
-            self.recording = False
+        """The backward pass is over (every rank calls this at the same point). Compares the traces across
+        ranks if they were recorded in this step; may raise ``ExecutionOrderError``."""
+        self._end_pass("backward")
+        ending_first = self.first_recording and bool(self.traces["forward"])
+        if ending_first:
+            self.first_recording = False
+            self.recording = {"forward": False, "backward": False}
+        if self._rerecording["backward"]:
+            self.recording["backward"] = self._rerecording["backward"] = False
+        if ending_first or self._recorded_this_step:
             self.reuse_distance = self._reuse_distances()
+        self._recorded_this_step = False
+        self.steps += 1
+        self.trace_changes += self._changed_this_step
+        self._changed_this_step = False
+        self.phase = "outside"
+        try:
+            if not self.first_recording:
+                self.check.check_traces({p: [u.name for u in self.traces[p]] for p in PHASES})
+        finally:
+            self.check.end_backward()
+
+    def _end_pass(self, phase: str) -> None:
+        """A pass that stopped before its trace did changes the trace too (the trace is cut there)."""
+        cursor, trace = self.cursors[phase], self.traces[phase]
+        if not self.recording[phase] and 0 < cursor < len(trace):
+            self.traces[phase] = trace[:cursor]
+            self._note_change()
+
+    def _note_change(self) -> None:
+        self._recorded_this_step = True
+        if torch.is_grad_enabled() or self.phase == "backward":  # a training pass (evaluation is not counted)
+            self._changed_this_step = True
 
     def keep_for_backward(self, unit: "UnitRuntime") -> bool:
         """Whether ``unit`` stays gathered from its forward to its backward: so it does when the units
@@ -78,29 +144,29 @@ class Schedule:
             distances[id(unit)] = sum(rt.group.full.numel() for rt in after + before)
         return distances
 
-    def on_start(self, phase: str, unit: "UnitRuntime") -> list["UnitRuntime"]:
-        """Record or check ``unit`` starting ``phase``; returns the units to gather ahead."""
+    def on_start(self, phase: str, unit: "UnitRuntime") -> Start:
+        """Record or follow ``unit`` starting ``phase``; returns the units to gather ahead."""
         self.starts += 1
         if unit.group.gathered or unit.group.pending is not None:
             self.prefetch_hits += 1
-        if self.recording:
-            self._check_ranks_agree(phase, unit)
-            self.traces[phase].append(unit)
-            return []
         trace, cursor = self.traces[phase], self.cursors[phase]
-        if cursor >= len(trace) or trace[cursor] is not unit:
-            expected = trace[cursor].name if cursor < len(trace) else "nothing more"
-            raise ExecutionOrderError(
-                f"zero3: in {phase}, unit {unit.name!r} ran where the first step ran {expected!r}. zero3 needs "
-                "every step to run its units in the same order on every rank (as DDP needs the same "
-                "parameters used on every rank); make the control flow of forward independent of the data."
-            )
+        if self.recording[phase]:
+            trace.append(unit)
+            self.cursors[phase] = len(trace)
+            return Start([], False)
+        if cursor < len(trace) and trace[cursor] is unit:
+            self.cursors[phase] = cursor + 1
+            return Start(self._window(trace, cursor + 1), False)
+        # [Note: the trace may change]: re-record this phase from here
+        self.traces[phase] = trace[:cursor] + [unit]
         self.cursors[phase] = cursor + 1
-        return self._window(trace, cursor + 1)
+        self.recording[phase] = self._rerecording[phase] = True
+        self._note_change()
+        return Start([], True)
 
     def upcoming(self, phase: str, count: int) -> list["UnitRuntime"]:
         """The next ``count`` units of the recorded trace not gathered yet (none while recording)."""
-        if self.recording or count <= 0:
+        if self.recording[phase] or count <= 0:
             return []
         trace = self.traces[phase][self.cursors[phase] :]
         return [unit for unit in trace if not unit.group.gathered and unit.group.pending is None][:count]
@@ -121,14 +187,3 @@ class Schedule:
             inflight += 1
         self.prefetched += len(chosen)
         return chosen
-
-    def _check_ranks_agree(self, phase: str, unit: "UnitRuntime") -> None:
-        index = self.index[id(unit)]
-        if self.comm.all_equal(index):
-            return
-        names = [self.units[i].name if 0 <= i < len(self.units) else "?" for i in self.comm.all_gather_objects(index)]
-        raise ExecutionOrderError(
-            f"zero3: ranks disagree on the next unit in {phase}: rank by rank they start {names}. Every rank "
-            "must run the same modules in the same order; make the control flow of forward independent "
-            "of the data (or of the rank)."
-        )

@@ -85,8 +85,11 @@ class HostSpan:
         return completed - self._issued
 
     def exposed(self) -> float:
+        """From the wait to the completion: the caller's wake-up after it is the scheduler's, not the
+        collective's (on a loaded machine it made exposed exceed issue-to-completion)."""
         assert self._wait_start is not None and self._wait_end is not None
-        return self._wait_end - self._wait_start
+        completed = self._wait_end if self._completed is None else min(self._completed, self._wait_end)
+        return max(0.0, completed - self._wait_start)
 
 
 class HostClock:

@@ -1,0 +1,133 @@
+"""Checks that every rank is about to run the same collective, so disagreement fails on every rank at once.
+
+[Note: every all-gather is checked]
+An all-gather pairs the n-th gather of every rank. If ranks run different units (a module that runs on
+one rank and not on another, an expert that is its own unit), rank 0's gather of one unit would pair
+with rank 1's gather of another: equal-sized units then mix silently, different sizes abort the process
+inside gloo ("Received data size doesn't match expected size") or hang under NCCL. So before issuing
+an all-gather, each rank all-gathers a tag of a few integers (``OrderCheck.tag``: step, pass, phase,
+sequence number, elements, and the units gathered) on the check group (see [Note: three process groups]
+in comm.py), blocking, and compares the rows: every rank sees the same rows, so on a mismatch every rank
+raises the same ``ExecutionOrderError``, naming what each rank was about to gather, before any gather
+is issued. The check is blocking because the gather right behind it could otherwise abort the process
+before the check is read (gloo checks message sizes on its own thread). Its cost is one round trip of
+80 bytes per issue of gathers (a unit start and its prefetches share one), and the wait for the other
+ranks to reach the same point, which they must anyway before the gather itself can complete.
+
+Reduce-scatters need no tag: their order is derived on every rank from the recorded backward trace
+(``grads.ReductionQueue``), and ``check_traces`` compares the traces across ranks at the end of every
+backward (a digest in one more tag: ranks that skipped different units without any gather going wrong,
+since the units were prefetched alike, fail there with the units named). With both in place the
+per-unit all-reduce that the first step used to run (to agree on each unit as it started) is gone: a
+disagreement surfaces at the next gather or the end of that backward, before it can do harm.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Sequence
+
+from .comm import Communicator
+
+if TYPE_CHECKING:
+    from .shard import FlatGroup
+
+PHASES = ("outside", "forward", "backward", "trace check")
+TAG_LENGTH = 10  # every tag, so that any two tags can be compared (see ``agree``)
+NAMED_UNITS = 3  # units named in a tag; more (a long coalesced gather) are folded into a hash
+
+REMEDY = (
+    "Every rank must run the same units in the same order. If a module runs on some ranks only (a routed "
+    "expert, a layer skipped by a per-rank draw), choose `unit_modules` so that it sits inside a unit (for "
+    "example the whole mixture-of-experts layer, not each expert), or draw the skip from a seed shared by "
+    "all ranks. If the model generates a different number of tokens on each rank, keep every rank calling "
+    "the model until all are done (Hugging Face: `generate(..., synced_gpus=True)`)."
+)
+
+
+class ExecutionOrderError(RuntimeError):
+    """Ranks are about to run different units (or run them in different orders)."""
+
+
+class OrderCheck:
+    """Where this rank is (step, pass, phase, gathers so far) and the tags that say so."""
+
+    def __init__(self, groups: Sequence["FlatGroup"], comm: Communicator) -> None:
+        self.comm = comm
+        self.index = {id(group): i for i, group in enumerate(groups)}
+        self.names = [group.name for group in groups]
+        self.step = 0  # backward passes finished
+        self.passes = 0  # forward passes of the root module started
+        self.phase = 0  # index into PHASES
+        self.seq = 0  # checked gathers since the phase began
+
+    def enter(self, phase: str) -> None:
+        """A new forward pass, a backward pass, or back outside both."""
+        self.phase = PHASES.index(phase)
+        self.seq = 0
+        if phase == "forward":
+            self.passes += 1
+
+    def end_backward(self) -> None:
+        self.step += 1
+        self.enter("outside")
+
+    def tag(self, groups: Sequence["FlatGroup"]) -> list[int]:
+        ids = [self.index[id(g)] for g in groups]
+        named = (ids + [-1] * NAMED_UNITS)[:NAMED_UNITS]
+        rest = zlib.crc32(repr(ids[NAMED_UNITS:]).encode()) if len(ids) > NAMED_UNITS else 0
+        numel = sum(g.full.numel() for g in groups)
+        tag = [self.step, self.passes, self.phase, self.seq, numel, len(ids), *named, rest]
+        assert len(tag) == TAG_LENGTH
+        return tag
+
+    def check(self, groups: Sequence["FlatGroup"]) -> None:
+        """Agree with every rank on the all-gather of ``groups`` about to be issued (a collective)."""
+        if not self.comm.distributed or not groups:
+            return
+        rows = self.comm.agree(self.tag(groups), before="all_gather")
+        self.seq += 1
+        if any(row != rows[0] for row in rows):
+            raise ExecutionOrderError(self._describe(rows))
+
+    def _describe(self, rows: list[list[int]]) -> str:
+        what = [self._units_of(row) for row in rows]
+        where = sorted({(PHASES[row[2]], row[0], row[1], row[3]) for row in rows})
+        at = "; ".join(f"{phase} of step {step} (pass {p}), gather #{seq}" for phase, step, p, seq in where)
+        return (
+            f"zero3: ranks disagree on what to gather next: rank by rank they gather {what} (at {at}). "
+            + REMEDY
+        )
+
+    def _units_of(self, row: list[int]) -> str:
+        if PHASES[row[2]] == "trace check":
+            return "nothing (it finished its backward)"
+        count, named = row[5], [i for i in row[6 : 6 + NAMED_UNITS] if i >= 0]
+        names = [self.names[i] if i < len(self.names) else f"unit {i}" for i in named]
+        if count > NAMED_UNITS:
+            names.append(f"... {count - NAMED_UNITS} more")
+        return names[0] if len(names) == 1 else "+".join(names)
+
+    def check_traces(self, traces: dict[str, list[str]]) -> None:
+        """Compare the recorded traces (unit names per phase) across ranks (a collective)."""
+        if not self.comm.distributed:
+            return
+        digest = zlib.crc32(repr(sorted(traces.items())).encode())
+        trace_check = PHASES.index("trace check")
+        rows = self.comm.agree([self.step, self.passes, trace_check, 0, digest, 0] + [-1] * NAMED_UNITS + [0])
+        if all(row == rows[0] for row in rows):
+            return
+        if any(row[2] != trace_check for row in rows):  # some rank is gathering instead
+            raise ExecutionOrderError(self._describe(rows))
+        everyone = self.comm.all_gather_objects(traces, on_check_group=True)
+        lines = []
+        for phase in ("forward", "backward"):
+            orders = [rank_traces[phase] for rank_traces in everyone]
+            if any(order != orders[0] for order in orders):
+                at = next(i for i in range(max(map(len, orders))) if len({tuple(o[i : i + 1]) for o in orders}) > 1)
+                found = [o[at] if at < len(o) else "nothing more" for o in orders]
+                lines.append(f"in {phase}, unit #{at} is, rank by rank, {found}")
+        raise ExecutionOrderError(
+            f"zero3: ranks recorded different execution orders at step {self.step}: " + "; ".join(lines) + ". "
+            + REMEDY
+        )

@@ -1,0 +1,83 @@
+"""``UnitRuntime``: the live state of one planned unit (see ``units.py``) while the model runs.
+
+A unit's full parameters stay gathered while any of three reasons holds; it is released when none does:
+  - ``forward_depth``: its forward is running (nested or repeated calls count separately);
+  - ``backward_hold``: its backward has started (or is due right after its forward, see
+    ``Schedule.keep_for_backward``) and is not over yet;
+  - ``context_holds``: a ``gathered_parameters`` block is open on it.
+
+Within one backward pass a unit goes: started (its pre-backward hook ran) -> over (its backward is over:
+every trainable parameter has its gradient, or its post-backward signal fired, or backward ended) ->
+reduced (its gradients were packed for the reduce-scatter, see ``grads.ReductionQueue``).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from .comm import Communicator
+from .shard import FlatGroup
+
+
+class PostBackwardToken:
+    """One forward call of a unit whose inputs need gradients; it fires when that call's backward is over.
+
+    Held by the autograd graph (see ``hooks._PostBackward``), so a graph that is dropped without a
+    backward takes its token with it (the unit keeps weak references only)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class UnitRuntime:
+    """The gather / release / reduce state of one flat group (a unit's, or the persistent one)."""
+
+    def __init__(self, name: str, group: FlatGroup, comm: Communicator) -> None:
+        self.name = name
+        self.group = group
+        self.comm = comm
+        self.forward_depth = 0
+        self.backward_hold = False
+        self.context_holds = 0
+        # this backward pass
+        self.backward_started = False  # its pre-backward hook ran
+        self.backward_over = False
+        self.reduced = False
+        self.grads_ready = 0  # trainable parameters whose gradient arrived
+        self.awaiting = weakref.WeakSet()  # PostBackwardTokens of forward calls whose backward is not over
+        self.signals = 0  # PostBackwardTokens made since the last backward ended
+
+    @property
+    def trainable(self) -> bool:
+        return self.group.trainable
+
+    def acquire(self) -> None:
+        self.group.gather()
+
+    def maybe_release(self) -> None:
+        if self.forward_depth == 0 and not self.backward_hold and self.context_holds == 0:
+            self.group.release()
+
+    def held(self) -> bool:
+        return self.forward_depth > 0 or self.backward_hold or self.context_holds > 0
+
+    @property
+    def ends_alike(self) -> bool:
+        """Whether its backward ends at the same point of backward on every rank: it has a post-backward
+        signal (its inputs need gradients), which every rank gets once that unit's backward has run,
+        whatever parameters got gradients there (see [Note: reduction order] in grads.py)."""
+        return self.signals > 0
+
+    def all_grads_in(self) -> bool:
+        return self.grads_ready >= len(self.group.trainable_slots)
+
+    def end_backward(self) -> bool:
+        """Mark its backward over; False if it already was."""
+        if self.backward_over:
+            return False
+        self.backward_over = True
+        self.backward_hold = False
+        return True
+
+    def reset_backward(self) -> None:
+        self.backward_hold = self.backward_started = self.backward_over = self.reduced = False
+        self.grads_ready = self.signals = 0

@@ -1,0 +1,267 @@
+"""A watchdog per rank: when one rank fails, every rank ends with a message saying which and why.
+
+A collective that waits for a rank that is gone, or that will never arrive (it raised), cannot be
+interrupted: under NCCL it waits for the whole ``timeout``, under gloo it fails with "Connection closed
+by peer", which names nobody. So each rank runs a small daemon thread on the c10d store that the
+process group already uses (its own connection, ``store.clone()``):
+
+- it beats: every ``interval`` seconds it writes a counter under ``hb/<rank>``;
+- a rank that fails (``fail``, from the strategy's ``on_exception``) writes ``abort`` once
+  (``compare_set``: the first cause wins) with its rank and cause, prints what more likely caused its
+  own error (a rank that failed first, a peer that is gone), and goes on failing by itself;
+- every other rank's thread sees ``abort`` within ``interval``, prints the failed rank and its cause,
+  and ends its process;
+- a rank that is gone without a word (SIGKILL, out-of-memory killer) is seen by its process id when it
+  ran on this host (dead within ``interval``), else by a heartbeat that stops changing for
+  ``stale_after`` seconds (half the ``timeout``, at most a minute); a lost store means its host (rank 0
+  under Lightning's launcher) is gone. Either turns into the same message and exit;
+- a rank that finished normally writes ``done/<rank>`` (``stop``), so that peers still finishing do
+  not mistake its exit for a failure; rank 0 waits for the others' ``done`` before it lets its
+  process (and the store in it) go.
+
+[Note: exiting from the watchdog]
+The main thread may be blocked inside a collective that no exception can reach, so the thread ends the
+process with ``os._exit(1)``. That skips ``atexit`` handlers, which is where swap folders are removed:
+the clean-ups registered with ``add_cleanup`` (the engine's ``remove_swap_files``) run first. Keys live
+under a prefix per watchdog (``generation``), so a second ``fit`` in the same processes starts afresh.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+EXIT_CODE = 1
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, killed but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+class Watchdog:
+    """Heartbeats and the abort key of one rank (see the module note). ``start`` after the process group
+    exists, ``stop`` when this rank is done, ``fail`` when it fails."""
+
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, timeout: timedelta, generation: int = 0
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        seconds = timeout.total_seconds()
+        self.interval = min(2.0, max(0.2, seconds / 20))
+        self.stale_after = min(60.0, seconds / 2)
+        self.prefix = f"zero3_watchdog/{generation}/"
+        self._store = store.clone()  # a connection of its own: the thread never shares the main one
+        self._store.set_timeout(timedelta(seconds=max(self.stale_after, 1.0)))
+        self._cleanups: list[Callable[[], None]] = []
+        self._stopping = threading.Event()
+        self._aborted_here = False
+        self._thread: Optional[threading.Thread] = None
+        self._peers = [r for r in range(world_size) if r != rank]
+        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last heartbeat, when it changed here)
+        self._where: dict[int, tuple[str, int]] = {}  # rank -> (host, pid)
+        self._started = 0.0
+        self.host = socket.gethostname()
+        self.exit: Callable[[int], None] = os._exit  # replaced in tests
+
+    @classmethod
+    def for_default_group(cls, timeout: timedelta, generation: int = 0) -> "Watchdog":
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return cls(_get_default_store(), dist.get_rank(), dist.get_world_size(), timeout, generation)
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    def add_cleanup(self, cleanup: Callable[[], None]) -> None:
+        """Run ``cleanup`` before this rank's process is ended by the watchdog."""
+        self._cleanups.append(cleanup)
+
+    def start(self) -> "Watchdog":
+        """Publish where this rank runs and wait (at most ``stale_after``) to learn where the others do: every
+        rank starts its watchdog at the same point, and a peer's process id must be known before the store
+        (which may live in that peer) can vanish with it."""
+        self._store.set(self._key(f"where/{self.rank}"), f"{self.host} {os.getpid()}")
+        self._store.set(self._key(f"hb/{self.rank}"), "0")
+        self._started = time.monotonic()
+        try:
+            self._store.wait([self._key(f"where/{peer}") for peer in self._peers], timedelta(seconds=self.stale_after))
+            for peer in self._peers:
+                host, pid = self._store.get(self._key(f"where/{peer}")).decode().split()
+                self._where[peer] = (host, int(pid))
+        except Exception:  # noqa: BLE001 - a peer that never came is reported by the thread
+            pass
+        self._thread = threading.Thread(target=self._run, name=f"zero3-watchdog-r{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """This rank is done (or failing and told the others so): stop the thread. Rank 0, whose process
+        holds the store under Lightning's launcher, first waits (at most ``stale_after``) until every peer
+        is done too, has seen the abort, or is gone: a peer's watchdog would take the store's
+        disappearance for rank 0's death, and would miss the abort's cause."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._thread.join(timeout=2 * self.interval + 1)
+        self._thread = None
+        try:
+            self._store.set(self._key(f"done/{self.rank}"), "1")
+            self._wait_for_peers(self.stale_after)
+        except Exception:  # noqa: BLE001 - the store may be gone with a peer that finished first
+            pass
+
+    def _wait_for_peers(self, seconds: float) -> None:
+        """On rank 0 (whose process holds the store under Lightning's launcher): wait at most ``seconds`` until
+        every peer is done, has seen an abort, or is gone."""
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + seconds
+        waiting = list(self._peers)
+        while waiting and time.monotonic() < deadline:
+            waiting = [peer for peer in waiting if self._peer_state(peer, time.monotonic()) == "running"]
+            if waiting:
+                time.sleep(self.interval / 4)
+
+    def abort(self, cause: str) -> Optional[str]:
+        """Tell every rank that this one fails because of ``cause``. Returns the message of a rank that
+        failed first for another cause (then ``cause`` is not published), or None."""
+        self._aborted_here = True
+        cause = _one_line(cause)
+        mine = f"rank {self.rank} failed: {cause}"
+        try:
+            first = self._store.compare_set(self._key("abort"), "", mine).decode()
+        except Exception as error:  # noqa: BLE001 - no store: nothing to tell
+            return self._store_lost(error)
+        return None if first.partition(" failed: ")[2] == cause else first  # the same error everywhere: no news
+
+    def fail(self, cause: str) -> Optional[str]:
+        """This rank fails because of ``cause``: tell the others (``abort``), and return what more likely
+        explains it: a rank that failed first for another cause, or a peer that is gone; else None."""
+        first = self.abort(cause)
+        if first is not None:
+            return first
+        try:
+            return self._gone_peer() or self._dead_local_peer(grace=0.5)
+        except Exception as error:  # noqa: BLE001
+            return self._store_lost(error)
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        beats = 0
+        while not self._stopping.wait(self.interval):
+            beats += 1
+            try:
+                self._store.set(self._key(f"hb/{self.rank}"), str(beats))
+                reason = None if self._aborted_here else (self._abort_message() or self._gone_peer())
+            except Exception as error:  # noqa: BLE001
+                if self._stopping.is_set():
+                    return
+                reason = self._store_lost(error)
+            if reason is not None and not self._stopping.is_set() and not self._aborted_here:
+                self._end(reason)
+
+    def _abort_message(self) -> Optional[str]:
+        if not self._store.check([self._key("abort")]):
+            return None
+        return f"{self._store.get(self._key('abort')).decode()} (reported through the rendezvous store)"
+
+    def _gone_peer(self) -> Optional[str]:
+        now = time.monotonic()
+        for peer in self._peers:
+            state = self._peer_state(peer, now)
+            if state not in ("running", "done"):
+                return state
+        return None
+
+    def _finished(self, peer: int) -> bool:
+        """Whether ``peer`` said it is done, or that it ends because of an abort (False without a store)."""
+        try:
+            return any(self._store.check([self._key(f"{what}/{peer}")]) for what in ("done", "seen"))
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _peer_state(self, peer: int, now: float) -> str:
+        """"done" (finished, or saw an abort), "running", or why it is gone."""
+        if self._finished(peer):
+            return "done"
+        if peer not in self._where and self._store.check([self._key(f"where/{peer}")]):
+            host, pid = self._store.get(self._key(f"where/{peer}")).decode().split()
+            self._where[peer] = (host, int(pid))
+        host, pid = self._where.get(peer, ("?", -1))
+        if host == self.host and pid > 0 and not process_alive(pid):
+            return f"rank {peer} (process {pid} on this host) ended without a word: killed (SIGKILL, out of memory?)"
+        if not self._store.check([self._key(f"hb/{peer}")]):
+            if now - self._started > self.stale_after:
+                return f"rank {peer} never started its heartbeat in {self.stale_after:.0f} s"
+            return "running"
+        beat = self._store.get(self._key(f"hb/{peer}"))
+        last, since = self._seen.get(peer, (None, now))
+        if beat != last:
+            self._seen[peer] = (beat, now)
+        elif now - since > self.stale_after:
+            return f"rank {peer} (on {host}) sent no heartbeat for {now - since:.0f} s: killed, frozen or cut off"
+        return "running"
+
+    def _dead_local_peer(self, grace: float) -> Optional[str]:
+        """A peer of this host whose process is gone, looking again for ``grace`` seconds: a killed process
+        closes its sockets (which is how this rank learns something is wrong) a moment before the kernel
+        marks it dead."""
+        local = [(peer, pid) for peer, (host, pid) in self._where.items() if host == self.host]
+        deadline = time.monotonic() + (grace if local else 0.0)
+        while True:
+            for peer, pid in local:
+                if not process_alive(pid) and not self._finished(peer):
+                    return f"rank {peer} (process {pid} on this host) ended without a word: killed (SIGKILL, out of memory?)"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _store_lost(self, error: BaseException) -> str:
+        found = self._dead_local_peer(grace=0.5)  # a peer of this host that is gone says more
+        if found is not None:
+            return found
+        return (
+            f"lost the rendezvous store ({type(error).__name__}: {_one_line(str(error))}); it lives in rank 0's "
+            "process under Lightning's launcher (in the launcher's under torchrun), which is gone"
+        )
+
+    def _end(self, reason: str) -> None:
+        print(f"zero3: rank {self.rank} stops because {reason}.", file=sys.stderr, flush=True)
+        try:
+            self._store.set(self._key(f"seen/{self.rank}"), "1")
+            self._wait_for_peers(min(self.stale_after, 5.0))  # rank 0: the store lives as long as it is needed
+        except Exception:  # noqa: BLE001 - the store is gone
+            pass
+        for cleanup in self._cleanups:
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001 - ending anyway
+                pass
+        self.exit(EXIT_CODE)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
