@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -103,6 +104,16 @@ class Zero3Config:
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
     """How long a collective may wait for the other ranks before every rank fails with an error."""
 
+    inference_memory_budget: Union[int, str, None] = "auto"
+    """Evaluation (``validate`` / ``test`` / ``predict``, or forward calls with gradients off): bytes of
+    gathered units that may stay gathered across forward calls, so a model called many times (generation:
+    once per token) is not all-gathered again for every call. Bytes, or a string such as ``"2GB"`` /
+    ``"512MiB"``; ``0`` gathers every unit for every call (as a training step does); ``"auto"``: what a
+    training step holds on top of the shards (its gathered units and gradient staging buffers, measured
+    when this model has trained), less the streaming window evaluation keeps for the other units, so
+    evaluation never holds more than a training step did. Which units stay is chosen from a profile of the
+    first calls (see ``engine/residency.py``); leaving the stage releases them."""
+
     unshard_after_fit: bool = False
     """After ``trainer.fit`` the module stays sharded and attached to its engine, as with torch FSDP and
     DeepSpeed: ``validate`` / ``test`` / ``predict``, a later ``fit`` (same Trainer or a new one),
@@ -181,6 +192,13 @@ class Zero3Config:
                 f"backend; use one of {[b for b in _BACKENDS if b]} or None to choose by device."
             )
         _check_offload(self)
+        try:
+            parse_budget(self.inference_memory_budget)
+        except ValueError:
+            raise Zero3ConfigError(
+                f"zero3: `inference_memory_budget={self.inference_memory_budget!r}` is not a budget; give bytes "
+                '(an int >= 0, or a string such as "2GB" / "512MiB"), "auto", or 0 to keep nothing gathered.'
+            ) from None
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise Zero3ConfigError(
                 f"zero3: `checkpoint_format={self.checkpoint_format!r}` is not a checkpoint format; use "
@@ -216,6 +234,29 @@ class Zero3Config:
         from .deepspeed_config import merge, translate
 
         return cls.from_kwargs(**merge(translate(source), overrides))
+
+
+Budget = Union[int, str, None]
+
+
+def parse_budget(value: Budget) -> Union[int, str]:
+    """``"auto"``, or a number of bytes from an int or a string such as ``"2GB"`` / ``"512MiB"`` (None: 0)."""
+    if value is None:
+        return 0
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"{value!r}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(value), flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"{value!r}")
+    base = 1024 if match.group(3) else 1000
+    power = " KMGT".index(match.group(2).upper() or " ")
+    return int(float(match.group(1)) * base**power)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

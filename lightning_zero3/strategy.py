@@ -124,6 +124,7 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
             DEFAULTS.process_group_backend
         ),
         timeout: timedelta = DEFAULTS.timeout,
+        inference_memory_budget: Optional[Union[int, str]] = DEFAULTS.inference_memory_budget,
         unshard_after_fit: bool = DEFAULTS.unshard_after_fit,
         checkpoint_format: Literal["sharded", "full"] = DEFAULTS.checkpoint_format,
         offload_optimizer: Optional[Literal["cpu", "nvme", "none", "device"]] = DEFAULTS.offload_optimizer,
@@ -402,12 +403,41 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
             return
         # [Note: sharded for the module's whole life] in ``_reuse``: the engine stays attached, the
         # module and its optimizer stay sharded where they are (on the device), as torch FSDP leaves them.
+        engine.residency.leave()
         engine.trim()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    # -- evaluation stages: see engine/residency.py -----------------------------------------------------
+
+    def on_validation_start(self) -> None:
+        self._evaluation(start=True)
+
+    def on_validation_end(self) -> None:
+        self._evaluation(start=False)
+
+    def on_test_start(self) -> None:
+        self._evaluation(start=True)
+
+    def on_test_end(self) -> None:
+        self._evaluation(start=False)
+
+    def on_predict_start(self) -> None:
+        self._evaluation(start=True)
+
+    def on_predict_end(self) -> None:
+        self._evaluation(start=False)
+
+    def _evaluation(self, start: bool) -> None:
+        """Units may stay gathered across the stage's forward calls; leaving it releases them."""
+        if self._engine is not None:
+            if start:
+                self._engine.residency.enter(stage=True)
+            else:
+                self._engine.residency.leave()
 
     # -- full weights, on request ------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from ..config import Zero3Config
+from ..config import Zero3Config, parse_budget
 from . import gradients
 from .agreement import OrderCheck
 from .comm import Communicator
@@ -35,6 +35,7 @@ from .memory import (
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
 from .optim import optimizer_params, shard_optimizer
+from .residency import Residency
 from .runtime import UnitRuntime
 from .schedule import Schedule
 from .shard import DtypePolicy, FlatGroup, ParamSlot
@@ -135,9 +136,15 @@ class Zero3Engine:
             units, self.order_check, cfg.prefetch_bucket_size, cfg.max_live_parameters, cfg.max_reuse_distance
         )
         queue = ReductionQueue(units, self.root, self.persistent, self.comm, cfg.reduce_bucket_size, cfg.overlap_comm)
+        candidates = ([self.root] if self.root else []) + units
+        self.residency = Residency(
+            candidates, self.comm, self.ledger, cfg.inference_memory_budget,
+            self.root.group.full.numel() * self.root.group.full.element_size() if self.root else 0,
+            [rt.group.full.numel() * rt.group.full.element_size() for rt in units], self.schedule,
+        )
         self.hooks = HookManager(
             module, self.root, self.unit_runtimes, self.persistent, self.schedule, queue,
-            cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0,
+            cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0, self.residency,
         )
         _ENGINES[module] = self
         if self.offload is not None:
@@ -175,6 +182,7 @@ class Zero3Engine:
         self.hooks.coalesce_below = config.reduce_bucket_size
         self.hooks.queue.bucket_numel = config.reduce_bucket_size
         self.hooks.queue.overlap = config.overlap_comm
+        self.residency.setting = parse_budget(config.inference_memory_budget)
 
     def _start_offload(self) -> Optional[Offload]:
         """The offload tiers, after checking (NVMe) that the swap folder has room for every shard."""

@@ -40,6 +40,7 @@ its unit's forward) is an error: every rank has already sent that unit.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -49,6 +50,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .agreement import ExecutionOrderError
 from .grads import ReductionQueue
+from .residency import Residency
 from .runtime import PostBackwardToken, UnitRuntime
 from .schedule import Schedule
 from .shard import start_gathers
@@ -92,8 +94,10 @@ class HookManager:
         queue: ReductionQueue,
         coalesce_below: int = 0,
         read_ahead: int = 0,
+        residency: Optional[Residency] = None,
     ) -> None:
         self.root = root
+        self.residency = residency  # units kept gathered across evaluation calls (residency.py)
         self.read_ahead = read_ahead  # units whose parameter shards are read from NVMe ahead of use
         self.coalesce_below = coalesce_below  # units smaller than this share one all-gather
         self.schedule = schedule
@@ -117,7 +121,18 @@ class HookManager:
         self._handles = []
 
     def _start(self, phase: str, runtime: UnitRuntime) -> None:
-        """Gather ``runtime`` and issue the prefetches the schedule asks for (root: no schedule)."""
+        """Gather ``runtime`` and issue the prefetches the schedule asks for (root: no schedule). In the
+        profile calls of an evaluation stage, how long the forward waited for it is recorded (residency.py)."""
+        if self.residency is not None and phase == "forward":
+            self.residency.unit_started(runtime)
+        if self.residency is not None and phase == "forward" and self.residency.profiling:
+            began = time.perf_counter()
+            self._gather(phase, runtime)
+            self.residency.record(runtime, time.perf_counter() - began)
+        else:
+            self._gather(phase, runtime)
+
+    def _gather(self, phase: str, runtime: UnitRuntime) -> None:
         if runtime is self.root:
             runtime.acquire()
             return
@@ -141,6 +156,8 @@ class HookManager:
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
             if self._root_depth == 0:
+                if self.residency is not None:
+                    self.residency.forward_call(torch.is_grad_enabled())
                 self.schedule.begin("forward")
             self._root_depth += 1
 

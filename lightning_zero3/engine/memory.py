@@ -72,12 +72,19 @@ class ByteLedger:
     total: int = 0
     peak_total: int = 0
     watchers: list = field(default_factory=list)  # per-category peaks of the phases being watched
+    # gathered parameters plus staging buffers at their highest outside evaluation: what a training step
+    # needs on top of the shards (the automatic inference budget is held to it, see residency.py)
+    peak_training_transient: int = 0
+    evaluating: bool = False
 
     def add(self, category: str, nbytes: int) -> None:
         self.held[category] += nbytes
         self.peak[category] = max(self.peak[category], self.held[category])
         for watched in self.watchers:
             watched[category] = max(watched[category], self.held[category])
+        if category in (GATHERED_PARAMS, STAGING) and not self.evaluating:
+            transient = self.held[GATHERED_PARAMS] + self.held[STAGING]
+            self.peak_training_transient = max(self.peak_training_transient, transient)
         if category != OFFLOAD_NVME:
             self.total += nbytes
             self.peak_total = max(self.peak_total, self.total)

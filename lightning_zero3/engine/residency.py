@@ -22,39 +22,19 @@ peak, the units it gathers (the root, the running unit, prefetched ones) and its
 buffers; evaluation needs no gradient staging and keeps a streaming window for the non-resident units
 (the root and up to three of the largest units). "auto" is the training step's peak of gathered plus
 staging bytes (measured by the ledger when this engine has trained; else the bound a training step
-reaches: the root and six of the largest units) minus that streaming window.
+reaches: the streaming window plus gradient staging for three of the largest units) minus that streaming
+window.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional
 
-Budget = Union[int, str, None]
+from ..config import Budget, parse_budget
 
 #: profile calls: the first warms the prefetch pipeline and the allocator, the next ones are measured
 PROFILE_CALLS = 3
-
-
-def parse_budget(value: Budget) -> Union[int, str]:
-    """``"auto"``, or a number of bytes from an int or a string such as ``"2GB"`` / ``"512MiB"``."""
-    if value is None:
-        return 0
-    if value == "auto":
-        return "auto"
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"{value!r}")
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(value), flags=re.IGNORECASE)
-    if not match:
-        raise ValueError(f"{value!r}")
-    base = 1024 if match.group(3) else 1000
-    power = " KMGT".index(match.group(2).upper() or " ")
-    return int(float(match.group(1)) * base**power)
 
 
 @dataclass
@@ -113,6 +93,105 @@ def auto_budget(training_peak: Optional[int], root_bytes: int, unit_bytes: list[
     """The automatic budget (see [Note: the automatic budget])."""
     largest = sorted(unit_bytes, reverse=True)
     window = root_bytes + sum(largest[:3])
-    if training_peak is None:
-        training_peak = root_bytes + sum((largest * 6)[:6]) if largest else root_bytes
+    if training_peak is None:  # gathered as in evaluation, plus gradient staging for three of the largest
+        training_peak = window + 3 * (largest[0] if largest else 0)
     return max(0, training_peak - window)
+
+
+class Residency:
+    """The residency plan of evaluation stages, driven by the hooks and the strategy.
+
+    A stage starts when the Trainer enters ``validate`` / ``test`` / ``predict`` (``enter(stage=True)``), or
+    at a forward call with gradients off outside a stage; it ends when the Trainer leaves the stage, or at
+    the next forward call with gradients on (training again). During the first ``PROFILE_CALLS`` calls the
+    hooks report how long each unit's gather made the forward wait (``record``); at the start of the next
+    call the ranks pool their profiles (a collective: every rank makes the same calls, as they must for the
+    gathers anyway) and every rank derives the same plan, so all gather the same units."""
+
+    def __init__(
+        self, candidates: list, comm, ledger, setting: Budget, root_bytes: int, unit_bytes: list[int], schedule
+    ) -> None:
+        self.candidates = candidates  # the root and every unit: UnitRuntimes
+        self.schedule = schedule  # how many training steps ran (``steps``)
+        self.comm = comm
+        self.ledger = ledger
+        self.setting = parse_budget(setting)
+        self.root_bytes, self.unit_bytes = root_bytes, unit_bytes
+        self.active = False
+        self.by_stage = False
+        self.calls = 0
+        self.profiles: dict[int, UnitProfile] = {}
+        self.plan: Optional[ResidencyPlan] = None
+        self.first = None  # the unit whose starts count the calls
+        self.plans_made = 0  # for tests and monitors
+        self.last_plan_bytes = 0  # bytes the last plan kept gathered
+
+    def budget(self) -> int:
+        if self.setting != "auto":
+            return int(self.setting)
+        trained = self.ledger.peak_training_transient if self.schedule.steps else None
+        return auto_budget(trained, self.root_bytes, self.unit_bytes)
+
+    def enter(self, stage: bool) -> None:
+        if self.active:
+            self.by_stage = self.by_stage or stage
+            return
+        self.active, self.by_stage, self.calls, self.plan, self.first = True, stage, 0, None, None
+        self.profiles = {id(rt): UnitProfile(rt.group.full.numel() * rt.group.full.element_size()) for rt in self.candidates}
+        self.ledger.evaluating = True
+
+    def leave(self) -> None:
+        """The stage is over: every resident unit is released (memory back to where training left it)."""
+        if not self.active:
+            return
+        for runtime in self.plan.resident if self.plan else []:
+            runtime.resident = False
+            runtime.maybe_release()
+        self.active, self.by_stage, self.plan = False, False, None
+        self.ledger.evaluating = False
+
+    def forward_call(self, grad_enabled: bool) -> None:
+        """The root's forward starts (outside backward): a forward with gradients off starts a stage outside
+        the Trainer, one with gradients on ends it."""
+        if grad_enabled:
+            if self.active and not self.by_stage:
+                self.leave()  # training again
+            return
+        self.enter(stage=False)
+
+    def unit_started(self, runtime) -> None:
+        """A unit starts its forward in a stage, before it is gathered. Calls are counted at the first unit
+        the stage started (a model called inside one outer call, as a generation loop in
+        ``validation_step`` does, makes one call per pass through its units); the plan is made when the
+        profile calls are done, at the same unit start on every rank."""
+        if not self.active:
+            return
+        if self.first is None:
+            self.first = runtime
+        if runtime is self.first:
+            if self.plan is None and self.calls >= PROFILE_CALLS:
+                self._make_plan()
+            self.calls += 1
+
+    @property
+    def profiling(self) -> bool:
+        return self.active and self.plan is None and self.calls > 1  # the first call warms up
+
+    def record(self, runtime, waited: float) -> None:
+        profile = self.profiles.get(id(runtime))
+        if profile is not None and self.profiling:
+            profile.waited += waited
+            profile.gathers += 1
+
+    def _make_plan(self) -> None:
+        mine = {i: (p.waited, p.gathers) for i, p in enumerate(self.profiles[id(rt)] for rt in self.candidates)}
+        pooled = self.comm.all_gather_objects(mine) if self.comm.distributed else [mine]
+        profiles = {}
+        for i, runtime in enumerate(self.candidates):  # the slowest rank's wait: it holds the others up
+            waited = max(rank[i][0] / max(1, rank[i][1]) for rank in pooled)
+            profiles[id(runtime)] = UnitProfile(self.profiles[id(runtime)].nbytes, waited, 1)
+        self.plan = choose_resident(self.candidates, profiles, self.budget())
+        self.last_plan_bytes = self.plan.resident_bytes
+        for runtime in self.plan.resident:
+            runtime.resident = True  # gathered at its next start, then kept
+        self.plans_made += 1

@@ -1,10 +1,11 @@
 """``UnitRuntime``: the live state of one planned unit (see ``units.py``) while the model runs.
 
-A unit's full parameters stay gathered while any of three reasons holds; it is released when none does:
+A unit's full parameters stay gathered while any of four reasons holds; it is released when none does:
   - ``forward_depth``: its forward is running (nested or repeated calls count separately);
   - ``backward_hold``: its backward has started (or is due right after its forward, see
     ``Schedule.keep_for_backward``) and is not over yet;
-  - ``context_holds``: a ``gathered_parameters`` block is open on it.
+  - ``context_holds``: a ``gathered_parameters`` block is open on it;
+  - ``resident``: an evaluation stage keeps it gathered across forward calls (see ``residency.py``).
 
 Within one backward pass a unit goes: started (its pre-backward hook ran) -> over (its backward is over:
 every trainable parameter has its gradient, or its post-backward signal fired, or backward ended) ->
@@ -38,6 +39,7 @@ class UnitRuntime:
         self.forward_depth = 0
         self.backward_hold = False
         self.context_holds = 0
+        self.resident = False
         # this backward pass
         self.backward_started = False  # its pre-backward hook ran
         self.backward_over = False
@@ -54,11 +56,11 @@ class UnitRuntime:
         self.group.gather()
 
     def maybe_release(self) -> None:
-        if self.forward_depth == 0 and not self.backward_hold and self.context_holds == 0:
+        if not self.held():
             self.group.release()
 
     def held(self) -> bool:
-        return self.forward_depth > 0 or self.backward_hold or self.context_holds > 0
+        return self.forward_depth > 0 or self.backward_hold or self.context_holds > 0 or self.resident
 
     @property
     def ends_alike(self) -> bool:

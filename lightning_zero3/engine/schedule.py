@@ -82,14 +82,17 @@ class Schedule:
         self.check.enter(phase)
         self.phase = phase
         self.cursors[phase] = 0
-        if self.first_recording:
+        if self.first_recording and self.recording[phase]:
             self.traces[phase] = []
         elif self._rerecording[phase]:
             self.recording[phase] = self._rerecording[phase] = False  # the new order is the trace now
 
     def end_forward(self) -> None:
-        """The root's forward returned."""
+        """The root's forward returned. Before any training step, a forward with gradients off (evaluation
+        only: predict, generation) makes its order the forward trace, so later calls are prefetched."""
         self._end_pass("forward")
+        if self.first_recording and self.recording["forward"] and self.traces["forward"] and not torch.is_grad_enabled():
+            self.recording["forward"] = False
         self.check.enter("outside")
         self.phase = "outside"
 
@@ -176,7 +179,7 @@ class Schedule:
         inflight = sum(1 for rt in self.units if rt.group.pending is not None)
         chosen, budget = [], self.prefetch_numel
         for unit in trace[start:]:
-            if unit.group.gathered or unit.group.pending is not None:
+            if unit.group.gathered or unit.group.pending is not None or unit in chosen:
                 continue
             size = unit.group.full.numel()
             if size > budget or inflight >= MAX_INFLIGHT_GATHERS or live + size > self.max_live_numel:

@@ -160,6 +160,7 @@ class FlatGroup:
             offset += p.numel()
 
         self.gathered = True
+        self.gathers = 0  # all-gathers issued into ``full`` (for tests and the residency profile)
         self.landing: Optional[torch.Tensor] = None  # where this backward's gradients land (land_gradients)
         self.arrived: set[int] = set()  # parameters autograd gave a gradient in this backward
         self.pending: Optional[Pending] = None  # an all-gather in flight into ``full``
@@ -195,6 +196,7 @@ class FlatGroup:
             return
         if not checked:
             self._agree([self])
+        self.gathers += 1
         self._begin_fill()
         with torch.no_grad():
             shard = self.gather_input()
@@ -396,7 +398,8 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int) -> None:
     groups side by side, so the output is rank-major, ``[g1 slice 0 | g2 slice 0 | ... | g1 slice 1 | ...]``;
     once it lands, each group's column block is copied into its own ``full`` buffer.
     """
-    waiting = [g for g in groups if g.pending is None and not g.gathered]
+    # once each (a trace in which a unit repeats, a module called twice, may name it twice)
+    waiting = list(dict.fromkeys(g for g in groups if g.pending is None and not g.gathered))
     if waiting:
         waiting[0]._agree(waiting)  # one check for the unit and its prefetches
     small = [g for g in waiting if g.full.numel() < coalesce_below]
@@ -432,6 +435,7 @@ def _start_coalesced(groups: list[FlatGroup]) -> None:
 
     shared = _Then(pending, scatter_columns)
     for group in groups:
+        group.gathers += 1
         group._begin_fill()
         group.pending, group._source = shared, source
 

@@ -159,6 +159,60 @@ def after_fit(t: pl.Trainer, model: FlowsGPT, loader: DataLoader, out: dict) -> 
     return result
 
 
+class GeneratingGPT(FlowsGPT):
+    """validation_step: greedy generation, one model call per new token (the calls an evaluation stage
+    repeats); records the tokens and the last logits."""
+
+    NEW_TOKENS = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generated: list = []
+
+    def validation_step(self, batch, batch_idx):
+        tokens = batch[0][:, :4]
+        for _ in range(self.NEW_TOKENS):
+            logits = self(tokens)[:, -1]
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        self.generated.append((tokens.tolist(), logits.double().sum().item()))
+
+
+def inference(out: Path) -> dict:
+    """Validation that generates, after fit, under several inference budgets; what stays gathered, what
+    was gathered per unit, the peaks against the training step's."""
+    pl.seed_everything(0)
+    model = GeneratingGPT()
+    loader = DataLoader(indexed_data(), batch_size=4)
+    t = trainer(zero3(), max_steps=3, limit_val_batches=2, num_sanity_val_steps=0, check_val_every_n_epoch=None,
+                val_check_interval=None)  # fmt: skip
+    t.fit(model, loader)
+    engine = t.strategy.engine
+    trained_peak = engine.ledger.peak_training_transient
+    result: dict = {"trained_peak": trained_peak, "budgets": {}}
+    model_bytes = sum(rt.group.full.numel() * rt.group.full.element_size() for rt in engine.residency.candidates)
+    for name, budget in (("zero", 0), ("half", model_bytes // 2), ("full", model_bytes), ("auto", "auto")):
+        model.generated = []
+        before = [rt.group.gathers for rt in engine.residency.candidates]
+        strategy = lightning_zero3.Zero3Strategy(persistence_threshold=500, inference_memory_budget=budget, **OFFLOAD)
+        run = trainer(strategy, limit_val_batches=2)
+        with engine.ledger.watch() as peaks:
+            run.validate(model, loader, verbose=False)
+        plan_bytes = engine.residency.last_plan_bytes
+        result["budgets"][name] = {
+            "budget": engine.residency.budget(),
+            "generated": model.generated,
+            "gathers": [rt.group.gathers - b for rt, b in zip(engine.residency.candidates, before)],
+            "resident_bytes": plan_bytes,
+            "peak_transient": peaks["gathered_params"] + peaks["staging_buffers"],
+            "peak_gathered": peaks["gathered_params"],
+            "gathered_after": engine.ledger.held["gathered_params"],
+            "resident_after": engine.gathered_resident_bytes(),
+        }
+    result["calls"] = 2 * (GeneratingGPT.NEW_TOKENS)  # forward calls of one validation (2 batches)
+    result["model_bytes"] = model_bytes
+    return result
+
+
 def after_fit_ddp(loader: DataLoader) -> dict:
     """The same as ``after_fit`` under DDP, for reference."""
     pl.seed_everything(0)
@@ -280,7 +334,7 @@ def expect_failure(module: pl.LightningModule) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["flows", "touch", "frozen", "resume", "fp16"])
+    parser.add_argument("mode", choices=["flows", "touch", "frozen", "resume", "fp16", "inference"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--offload", choices=["cpu", "nvme"])
     args = parser.parse_args()
@@ -298,6 +352,8 @@ def main() -> None:
         result = fp16(args.out)
     elif args.mode == "resume":
         result = resume(args.out)
+    elif args.mode == "inference":
+        result = inference(args.out)
     elif args.mode == "touch":
         result = expect_failure(TouchGPT(CFG))
     else:

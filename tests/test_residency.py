@@ -1,0 +1,93 @@
+"""Evaluation keeps units gathered across forward calls within ``inference_memory_budget`` (residency.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig
+
+from lightning_zero3 import Zero3Config, Zero3Engine
+from lightning_zero3.engine.residency import PROFILE_CALLS, UnitProfile, auto_budget, choose_resident
+
+SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"
+
+
+class _Unit:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_the_plan_is_a_knapsack_not_the_first_units():
+    a, b, c = _Unit("a"), _Unit("b"), _Unit("c")
+    profiles = {id(a): UnitProfile(6, 5.0, 1), id(b): UnitProfile(5, 3.0, 1), id(c): UnitProfile(5, 3.0, 1)}
+    plan = choose_resident([a, b, c], profiles, budget=10)
+    assert [u.name for u in plan.resident] == ["b", "c"] and plan.resident_bytes == 10  # 6 s saved, not 5
+    assert choose_resident([a, b, c], profiles, budget=4).resident == []  # nothing fits
+    idle = {id(u): UnitProfile(5, 0.0, 1) for u in (a, b, c)}  # nothing measurable: the budget is still used
+    assert len(choose_resident([a, b, c], idle, budget=11).resident) == 2
+
+
+def test_the_automatic_budget_is_what_training_held_less_the_streaming_window():
+    assert auto_budget(1000, root_bytes=100, unit_bytes=[200, 200, 50]) == 1000 - 100 - 450
+    assert auto_budget(None, root_bytes=100, unit_bytes=[200, 50]) == 3 * 200  # not trained: a step's staging
+    assert auto_budget(100, root_bytes=100, unit_bytes=[200]) == 0
+
+
+def test_outside_the_trainer_forward_calls_without_gradients_keep_units_and_training_releases_them():
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    x = torch.randint(0, 64, (2, 12))
+    outputs = {}
+    for budget in (0, 10**9):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        engine = Zero3Engine(model, Zero3Config(persistence_threshold=100, inference_memory_budget=budget))
+        with torch.no_grad():
+            outputs[budget] = [model(x) for _ in range(8)]
+        gathers = [rt.group.gathers for rt in engine.residency.candidates]
+        if budget:
+            assert all(g <= PROFILE_CALLS + 1 for g in gathers), gathers  # once the plan is made: kept
+            assert engine.ledger.held["gathered_params"] > 0
+        else:
+            assert all(g == 8 for g in gathers), gathers  # every call gathers every unit
+        model(x).sum().backward()  # a forward with gradients: training again, the plan is released
+        assert engine.ledger.held["gathered_params"] == 0 and engine.gathered_resident_bytes() == 0
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[10**9]))  # bitwise, fp32
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("inference")
+    done = subprocess.run([sys.executable, str(SCRIPT), "inference", "--out", str(out)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return [json.loads((out / f"inference-rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_validation_that_generates_gives_the_same_tokens_under_every_budget(evaluated):
+    for rank in evaluated:
+        budgets = rank["budgets"]
+        for name, run in budgets.items():
+            assert run["generated"] == budgets["full"]["generated"], name  # tokens and logits, bitwise
+
+
+def test_a_resident_unit_is_gathered_once_per_stage_not_once_per_token(evaluated):
+    for rank in evaluated:
+        budgets, calls = rank["budgets"], rank["calls"]
+        assert budgets["zero"]["gathers"][1:] == [calls, calls]  # every block, every call
+        assert all(g <= PROFILE_CALLS + 1 for g in budgets["full"]["gathers"])  # profile calls, then kept
+        assert min(budgets["half"]["gathers"][1:]) <= PROFILE_CALLS + 1 < max(budgets["half"]["gathers"][1:])
+
+
+def test_the_budget_holds_and_memory_returns_to_the_training_level_after_the_stage(evaluated):
+    for rank in evaluated:
+        for name, run in rank["budgets"].items():
+            assert run["resident_bytes"] <= run["budget"], name
+            assert run["gathered_after"] == 0 and run["resident_after"] == 0, name  # released when the stage ends
+        # "auto" never holds more, gathered and staging together, than the training step did
+        assert rank["budgets"]["auto"]["peak_transient"] <= rank["trained_peak"]
