@@ -111,7 +111,8 @@ class Residency:
     def __init__(
         self, candidates: list, comm, ledger, setting: Budget, root_bytes: int, unit_bytes: list[int], schedule
     ) -> None:
-        self.candidates = candidates  # the root and every unit: UnitRuntimes
+        self.candidates = candidates  # the root (if it has sharded parameters) and every unit
+        self.root = candidates[0] if root_bytes and candidates else None
         self.schedule = schedule  # how many training steps ran (``steps``)
         self.comm = comm
         self.ledger = ledger
@@ -166,8 +167,8 @@ class Residency:
         profile calls are done, at the same unit start on every rank."""
         if not self.active:
             return
-        if self.first is None:
-            self.first = runtime
+        if self.first is None and (runtime is not self.root or len(self.candidates) == 1):
+            self.first = runtime  # not the root: one root call may hold many model calls (generate in predict_step)
         if runtime is self.first:
             if self.plan is None and self.calls >= PROFILE_CALLS:
                 self._make_plan()
