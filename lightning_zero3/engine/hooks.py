@@ -139,7 +139,8 @@ class HookManager:
         start = self.schedule.on_start(phase, runtime)
         if start.changed:
             self._release_unheld(keep=runtime)  # prefetched for the old order
-        for unit in self.schedule.upcoming(phase, self.read_ahead):
+        evaluating = self.residency is not None and self.residency.active
+        for unit in self.schedule.upcoming(phase, self.read_ahead, wrap=evaluating):
             unit.group.prefetch_input()
         start_gathers([runtime.group] + [unit.group for unit in start.ahead], self.coalesce_below)
         runtime.acquire()

@@ -167,12 +167,17 @@ class Schedule:
         self._note_change()
         return Start([], True)
 
-    def upcoming(self, phase: str, count: int) -> list["UnitRuntime"]:
-        """The next ``count`` units of the recorded trace not gathered yet (none while recording)."""
+    def upcoming(self, phase: str, count: int, wrap: bool = False) -> list["UnitRuntime"]:
+        """The next ``count`` units of the recorded trace not gathered yet (none while recording). ``wrap``:
+        past the end of the trace, continue from its start (evaluation: the next call runs the same units,
+        so reading them ahead keeps the disk busy across calls)."""
         if self.recording[phase] or count <= 0:
             return []
         trace = self.traces[phase][self.cursors[phase] :]
-        return [unit for unit in trace if not unit.group.gathered and unit.group.pending is None][:count]
+        if wrap:
+            trace = trace + self.traces[phase][: self.cursors[phase]]
+        chosen = [unit for unit in trace if not unit.group.gathered and unit.group.pending is None]
+        return list(dict.fromkeys(chosen))[:count]
 
     def _window(self, trace: list["UnitRuntime"], start: int) -> list["UnitRuntime"]:
         live = sum(rt.group.full.numel() for rt in self.units if rt.group.gathered or rt.group.pending is not None)

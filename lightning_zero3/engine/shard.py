@@ -146,6 +146,7 @@ class FlatGroup:
                 self.ledger.remove(self._full_category, self._nbytes(master))
             del master
         self.store: Optional["GroupStore"] = offload.new_store(self.shard, self.trainable) if offload is not None else None
+        aliased = self._alias_shard_and_full(offload, device)
 
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -172,7 +173,21 @@ class FlatGroup:
             from .offload import ShardView
 
             self.store.bind([ShardView(s.shard_param, s.lo, s.hi, s.param.requires_grad) for s in self.slots])
-            self.source = offload.new_source(self.store, self.shard)
+            self.source = offload.new_source(self.store, self.shard, aliased)
+
+    def _alias_shard_and_full(self, offload: Optional["Offload"], device: torch.device) -> bool:
+        """One process, parameters offloaded, on the host: the "all-gather" is a copy of the shard into
+        ``full``, which has the same size. The shard then *is* ``full``: parameters are read from their tier
+        straight into the buffer the model computes with, with no copy and no second buffer to fault in
+        (single-process streaming inference reads every cold unit for every call)."""
+        if (
+            offload is None or offload.param_tier is None or self.comm.world_size != 1 or self.persistent
+            or self.compute_dtype != self.dtype or device.type != "cpu"
+        ):  # fmt: skip
+            return False
+        self.ledger.remove(PARAM_SHARDS, self._nbytes(self.shard))
+        self.shard = self.full
+        return True
 
     @property
     def master(self) -> Optional[torch.Tensor]:

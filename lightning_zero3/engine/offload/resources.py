@@ -46,8 +46,8 @@ class Offload:
         self.stores.append(store)
         return store
 
-    def new_source(self, store: GroupStore, shard: torch.Tensor) -> ParamSource:
-        source = ParamSource(store, shard, self.ledger)
+    def new_source(self, store: GroupStore, shard: torch.Tensor, aliased: bool = False) -> ParamSource:
+        source = ParamSource(store, shard, self.ledger, aliased)
         self.sources.append(source)
         return source
 

@@ -26,8 +26,11 @@ from .store import MASTER, GroupStore
 
 
 class ParamSource:
-    def __init__(self, store: GroupStore, shard: torch.Tensor, ledger: ByteLedger) -> None:
+    def __init__(self, store: GroupStore, shard: torch.Tensor, ledger: ByteLedger, aliased: bool = False) -> None:
         self.store = store
+        # the shard is the group's gathered buffer itself (one process: see FlatGroup._alias_shard_and_full):
+        # its pages belong to the group, which releases them; here only reads ahead of the gather are counted
+        self.aliased = aliased
         self.offload = store.offload
         self.tier = self.offload.param_tier
         self.shard = shard
@@ -41,11 +44,14 @@ class ParamSource:
             self.host_copy = host_buffer(store.numel, store.dtype)
             self.ledger.add(OFFLOAD_HOST, self.nbytes)
             self.host_copy.copy_(shard)  # the initial master values (the store may have swapped them out)
-        if self.tier is not None:
+        if self.aliased:
+            self.filled = False
+        elif self.tier is not None:
             self._free()
 
     def _free(self) -> None:
-        release(self.shard)
+        if not self.aliased:
+            release(self.shard)
         self.ledger.remove(PARAM_SHARDS, self.nbytes)
         self.filled = False
 
@@ -76,10 +82,22 @@ class ParamSource:
             self.offload.host.give(pooled)
 
     def prefetch(self) -> None:
-        """Read the parameter shard from its swap file ahead of the all-gather that needs it."""
+        """Read the parameter shard from its swap file ahead of the all-gather that needs it. On a host
+        device the read lands in the shard itself (no staging buffer, no copy); a device read needs a host
+        buffer to land in first."""
         if self.tier != "nvme" or self.store.resident or self.pending_read is not None:
             return
-        self.pending_read = self.store.read_file(MASTER)
+        if self.shard.device.type == "cpu" and not self.offload.copies.cuda:
+            self._claim()
+            self.pending_read = (self.store.read_into(MASTER, self.shard), None)
+        else:
+            self.pending_read = self.store.read_file(MASTER)
+
+    def _claim(self) -> None:
+        if not self.filled:
+            reclaim(self.shard)
+            self.ledger.add(PARAM_SHARDS, self.nbytes)
+            self.filled = True
 
     def fill(self) -> torch.Tensor:
         """Make the device shard valid for an all-gather; returns it."""
@@ -87,10 +105,8 @@ class ParamSource:
         if self.tier is None:
             copies.wait_on_device(self.publish_event)
             return self.shard
-        if not self.filled:
-            reclaim(self.shard)
-            self.ledger.add(PARAM_SHARDS, self.nbytes)
-            self.filled = True
+        if self.pending_read is None or self.pending_read[1] is not None:
+            self._claim()
         if self.store.resident or self.tier == "cpu":
             source = self.store.master if self.store.resident else self.host_copy
             event = copies.copy(self.shard, source)
@@ -102,6 +118,8 @@ class ParamSource:
         future, buffer = self.pending_read
         self.pending_read = None
         self.offload.io.wait(future)
+        if buffer is None:  # read straight into the shard
+            return self.shard
         event = copies.copy(self.shard, buffer)
         copies.wait_on_device(event)
         copies.wait_on_host(event)  # the buffer goes back to the pool: the copy must have read it
@@ -118,7 +136,11 @@ class ParamSource:
         if self.pending_read is not None:
             future, buffer = self.pending_read
             self.offload.io.wait(future)
-            self.offload.host.give(buffer)
+            if buffer is not None:
+                self.offload.host.give(buffer)
+            elif self.aliased:  # read ahead for a gather that did not come: the group is not gathered
+                release(self.shard)
+                self._free()
             self.pending_read = None
 
     def close(self) -> None:

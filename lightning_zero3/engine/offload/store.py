@@ -186,6 +186,11 @@ class GroupStore:
         buffer = self.offload.host.take(self.numel, dtype)
         self.reads[kind] = (self.offload.io.read(self.files[kind], buffer), buffer)
 
+    def read_into(self, kind: str, target: torch.Tensor) -> Future:
+        """Start reading the whole file of ``kind`` into ``target`` (a host tensor of the right size)."""
+        self._settle(kind)
+        return self.offload.io.read(self.files[kind], target)
+
     def read_file(self, kind: str) -> tuple[Future, torch.Tensor]:
         """Start reading the whole file of ``kind`` into a pooled host buffer (read-only use; give it back)."""
         self._settle(kind)
