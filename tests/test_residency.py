@@ -91,3 +91,35 @@ def test_the_budget_holds_and_memory_returns_to_the_training_level_after_the_sta
             assert run["gathered_after"] == 0 and run["resident_after"] == 0, name  # released when the stage ends
         # "auto" never holds more, gathered and staging together, than the training step did
         assert rank["budgets"]["auto"]["peak_transient"] <= rank["trained_peak"]
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_cold_units_stream_from_their_tier_and_give_the_all_resident_outputs(tmp_path, tier):
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=64)
+    x = torch.randint(0, 64, (2, 12))
+    runs = {}
+    for budget in ("all", "half"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        units = Zero3Engine(GPT(cfg), Zero3Config(persistence_threshold=100)).unit_sizes()
+        limit = sum(units.values()) if budget == "all" else sum(units.values()) // 2
+        knobs = {"offload_optimizer": tier, "offload_params": tier, "nvme_path": str(tmp_path)} if budget == "half" else {}
+        engine = Zero3Engine(model, Zero3Config(persistence_threshold=100, inference_memory_budget=limit, **knobs))
+        reads = []
+        with engine.ledger.watch() as peaks, torch.no_grad():
+            outputs = []
+            for _ in range(8):
+                before = engine.offload.io.stats.read_bytes if tier == "nvme" and engine.offload else 0
+                outputs.append(model(x))
+                reads.append((engine.offload.io.stats.read_bytes if tier == "nvme" and engine.offload else 0) - before)
+        plan = engine.residency.plan
+        runs[budget] = {"outputs": outputs, "plan": plan, "peaks": peaks, "reads": reads, "units": units}
+    half = runs["half"]
+    assert all(torch.equal(a, b) for a, b in zip(half["outputs"], runs["all"]["outputs"]))  # bitwise
+    resident = sum(half["units"][rt.name] for rt in half["plan"].resident)
+    assert 0 < resident <= half["plan"].budget  # the hot units stay, within the budget
+    cold = sum(half["units"].values()) - resident
+    window = max(half["units"].values()) * 3 + half["units"]["<root>"]
+    assert half["peaks"]["gathered_params"] <= half["plan"].budget + window
+    if tier == "nvme":  # after the plan, every call reads the cold units from the disk, and no more
+        assert all(abs(r - cold) <= max(half["units"].values()) for r in half["reads"][PROFILE_CALLS + 1 :])
