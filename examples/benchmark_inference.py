@@ -36,6 +36,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from processes import free_port, peak_rss  # noqa: E402
+
 PART1 = ("zero3_full", "zero3_half", "zero3_zero", "ddp", "deepspeed")
 PART2 = ("zero3_nvme_25", "zero3_nvme_50", "zero3_nvme_75", "accelerate_25", "accelerate_50", "accelerate_75")
 
@@ -94,9 +96,7 @@ def _short(outcome: dict) -> str:
 
 def launch(name: str, args) -> dict | str:
     if name == "deepspeed":
-        import importlib.util
-
-        if importlib.util.find_spec("deepspeed") is None:
+        if not _importable("deepspeed"):
             return "skipped: the deepspeed package is not installed (pip install deepspeed)"
     if name.startswith("accelerate") and not _importable("accelerate"):
         return "skipped: the accelerate package is not installed (pip install accelerate)"
@@ -106,7 +106,7 @@ def launch(name: str, args) -> dict | str:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(HERE / "benchmark_inference.py"), *forwarded, "--worker", name, "--out", tmp]
         if name == "deepspeed":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
                    *cmd[1:]]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
                               timeout=7200)  # fmt: skip
@@ -234,11 +234,6 @@ def measure_disk(folder: Path, nbytes: int = 1 << 30) -> dict:
 # the workers
 
 
-def peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM")
 
 
 def prompts(count: int, length: int, vocab: int, seed: int):
@@ -409,14 +404,6 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from processes import peak_rss  # noqa: E402
+
 STRATEGIES = ("ddp", "fsdp2", "zero3", "zero3_offload", "zero3_offload_nvme")
 CAPACITY = ("zero3", "zero3_offload_nvme")
 
@@ -162,11 +164,6 @@ def table(summary: dict, args) -> str:
 # the workers: one strategy, one process per rank (Lightning's launcher starts the others)
 
 
-def peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -177,7 +174,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     import lightning_zero3
-    from gpt import GPTConfig, GPTModule, count_parameters, random_tokens
+    from gpt import GPTConfig, GPTModule, apply_fsdp2, count_parameters, random_tokens
 
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=args.n_layer, n_head=args.n_embd // 64, n_embd=args.n_embd,
                     tie_embeddings=True)  # fmt: skip
@@ -187,14 +184,8 @@ def worker(args: argparse.Namespace) -> None:
         def configure_model(self):
             super().configure_model()
             if isinstance(self.trainer.strategy, ModelParallelStrategy) and not getattr(self, "_fully_sharded", False):
-                from torch.distributed.fsdp import fully_shard  # FSDP2: one unit per block, once per model
-
-                self._fully_sharded = True
-
-                mesh = self.device_mesh["data_parallel"]
-                for block in self.model.blocks:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self.model, mesh=mesh)
+                self._fully_sharded = True  # configure_model runs again for validate / predict: once per model
+                apply_fsdp2(self.model, self.device_mesh["data_parallel"])
 
     class Probe(pl.Callback):
         def __init__(self) -> None:

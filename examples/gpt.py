@@ -138,6 +138,15 @@ class GPTModule(pl.LightningModule):
         )
 
 
+def apply_fsdp2(gpt: GPT, mesh) -> None:
+    """torch FSDP2 over a GPT, as the benchmarks run it: one unit per block, the rest in the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in gpt.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(gpt, mesh=mesh)
+
+
 def random_tokens(n_samples: int, block_size: int, vocab_size: int, seed: int = 0) -> TensorDataset:
     """A deterministic corpus of token sequences with some structure (so losses fall), as inputs/targets."""
     g = torch.Generator().manual_seed(seed)
@@ -153,4 +162,4 @@ def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-__all__ = ["GPT", "GPTConfig", "GPTModule", "random_tokens", "count_parameters"]
+__all__ = ["GPT", "GPTConfig", "GPTModule", "apply_fsdp2", "random_tokens", "count_parameters"]

@@ -59,6 +59,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from processes import free_port  # noqa: E402
+
 BF16_LOSS_RTOL = 5e-3
 OFFLOAD_LOSS_RTOL = 1e-3
 OFFLOAD_WEIGHT_ATOL = 1e-3  # one AdamW step of the example's lr (1e-3)
@@ -456,7 +458,7 @@ def collective_timing() -> dict:
     class OneRankNCCL(Communicator):
         distributed = True  # issue real NCCL collectives, which at one rank copy on NCCL's stream
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
@@ -503,10 +505,6 @@ def _spin_cycles(seconds: float) -> tuple[int, float]:
     return cycles, timed(cycles)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def partial_path(final: Path) -> Path:
     return final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a directory's entries, to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -57,7 +58,7 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(staging, directory / MANIFEST)
-    _fsync_dir(directory)
+    fsync_path(directory)
 
 
 def commit(partial: Path, final: Path) -> None:
@@ -74,7 +75,7 @@ def commit(partial: Path, final: Path) -> None:
         if aside is not None:
             os.rename(aside, final)  # the previous checkpoint keeps its name
         raise
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
     if aside is not None:
         shutil.rmtree(aside)
     for stale in final.parent.glob(f".{final.name}.partial-*"):

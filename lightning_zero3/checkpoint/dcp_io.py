@@ -222,15 +222,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader, with the metadata read by the restricted unpickler (see [Note: checkpoints straight from the swap files]
-Under NVMe offload the rank's masters and optimizer state live in swap files. DCP resolves the items of
-a save one at a time and writes each before it asks for the next, and on load hands each read item to
-``resolve_tensor`` / ``commit_tensor`` in turn. So a piece backed by a swap file is read from its byte
-range when DCP asks for it and dropped once written; on load each read item lands in a buffer of its own
-and goes straight to its byte range of the file. At most one parameter's piece is in memory at a time,
-whatever the size of the model: the rank's states never pass through host memory as a whole.
-
-[Note: weights-only loading])."""
+    """DCP's file reader, with the metadata read by the restricted unpickler (see [Note: weights-only loading])."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

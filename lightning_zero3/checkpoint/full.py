@@ -24,6 +24,7 @@ import torch
 from ..engine import Zero3Engine
 from ..engine.state import full_state_layout, gathered_state
 from .api import agree_on_outcome
+from .atomic import fsync_path
 from .writers import TensorEntry, TorchFileWriter, placeholder
 
 #: what ``lightning_module_state_dict`` / ``optimizer_state`` hand Lightning in full mode: the values are
@@ -63,7 +64,7 @@ def save_full_checkpoint(
         if writer is not None:
             writer.close()
             writer = None
-            _fsync(staging)
+            fsync_path(staging)
             if path.is_dir():
                 from .atomic import remove_checkpoint
 
@@ -81,14 +82,6 @@ def save_full_checkpoint(
             raise error
 
     agree_on_outcome(engine.comm, path, "writing it", report)  # [Note: a failed save fails everywhere]
-
-
-def _fsync(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _state_dict_skeleton(engine: Zero3Engine, hold) -> dict[str, Any]:
