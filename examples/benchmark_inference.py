@@ -150,44 +150,48 @@ def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:
     return out
 
 
+def _body(names: tuple, rows: dict, cells, width: int) -> list[tuple]:
+    """One table line per row that ran (``cells(name, row)``); a skipped row shows the first line of its reason."""
+    body = []
+    for name in names:
+        row = rows.get(name)
+        if row is None:
+            continue
+        if "skipped" in row:
+            body.append((name, row["skipped"].splitlines()[0][:80], *[""] * (width - 2)))
+        else:
+            body.append(cells(name, row))
+    return body
+
+
 def table(summary: dict, args) -> str:
     rows = summary["rows"]
     lines = [f"Part 1: 2 CPU ranks, Llama-style model, greedy generation with a KV cache, batch {args.batch} per rank, "
              f"prompt {args.prompt}, {args.new_tokens} new tokens; median of {args.runs} runs"]  # fmt: skip
     head = ("row", "budget MiB", "tokens/s", "x DDP", "x budget 0", "peak RSS MiB")
-    body = []
-    for name in PART1:
-        row = rows.get(name)
-        if row is None:
-            continue
-        if "skipped" in row:
-            body.append((name, row["skipped"].splitlines()[0][:80], "", "", "", ""))
-            continue
+
+    def part1(name: str, row: dict) -> tuple:
         budget = row.get("budget_bytes")
-        body.append((name, "" if budget is None else f"{budget / 2**20:.0f}", f"{row['tokens_per_s']:.1f}",
-                     f"{row.get('x_ddp', float('nan')):.2f}", f"{row.get('x_zero_budget', float('nan')):.2f}",
-                     f"{row['peak_rss'] / 2**20:.0f}"))  # fmt: skip
-    lines += _grid(head, body)
+        return (name, "" if budget is None else f"{budget / 2**20:.0f}", f"{row['tokens_per_s']:.1f}",
+                f"{row.get('x_ddp', float('nan')):.2f}", f"{row.get('x_zero_budget', float('nan')):.2f}",
+                f"{row['peak_rss'] / 2**20:.0f}")  # fmt: skip
+
+    lines += _grid(head, _body(PART1, rows, part1, len(head)))
     if any(name in rows for name in PART2):
         disk = summary["disk"]
         lines.append("")
         lines.append(f"Part 2: one process, cold units on NVMe, batch {args.nvme_batch}, {args.nvme_new_tokens} new tokens; "
                      f"the disk reads {disk['read_GBps']:.2f} GB/s cold (same run)")  # fmt: skip
         head = ("row", "budget", "tokens/s", "MB read/token", "bound tokens/s", "x bound", "x accelerate", "peak RSS MiB")
-        body = []
-        for name in PART2:
-            row = rows.get(name)
-            if row is None:
-                continue
-            if "skipped" in row:
-                body.append((name, row["skipped"].splitlines()[0][:60], "", "", "", "", "", ""))
-                continue
+
+        def part2(name: str, row: dict) -> tuple:
             per_token = row.get("bytes_read_per_token")
-            body.append((name, name.rsplit("_", 1)[1] + "%", f"{row['tokens_per_s']:.2f}",
-                         "" if per_token is None else f"{per_token / 1e6:.0f}",
-                         f"{row.get('bound_tokens_per_s', float('nan')):.2f}", f"{row.get('x_bound', float('nan')):.2f}",
-                         f"{row.get('x_accelerate', float('nan')):.2f}", f"{row['peak_rss'] / 2**20:.0f}"))  # fmt: skip
-        lines += _grid(head, body)
+            return (name, name.rsplit("_", 1)[1] + "%", f"{row['tokens_per_s']:.2f}",
+                    "" if per_token is None else f"{per_token / 1e6:.0f}",
+                    f"{row.get('bound_tokens_per_s', float('nan')):.2f}", f"{row.get('x_bound', float('nan')):.2f}",
+                    f"{row.get('x_accelerate', float('nan')):.2f}", f"{row['peak_rss'] / 2**20:.0f}")  # fmt: skip
+
+        lines += _grid(head, _body(PART2, rows, part2, len(head)))
     return "\n".join(lines)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -36,3 +38,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_entry, args=(fn, world_size, free_port(), out, args), nprocs=world_size, join=True)
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def run_script(script: Path, *args: str, timeout: int = 600) -> None:
+    """Run one of ``tests/scripts`` in a fresh interpreter (it launches its own ranks); fail with its output tail."""
+    done = subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

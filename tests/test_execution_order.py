@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from distributed import free_port
 from routing_models import SkippingModel
-from torch import nn
 
 from lightning_zero3 import Zero3Config, Zero3Engine
 from lightning_zero3.engine import grads

@@ -5,13 +5,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "generation_run.py"
 
@@ -19,11 +17,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "generation_run.py"
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     out = tmp_path_factory.mktemp("generation")
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(SCRIPT, "--out", out)
     return out
 
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from distributed import run_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_zero3.callbacks import CommMonitor, MemoryMonitor, Zero3MonitorError
@@ -21,11 +19,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "monitors_run.py"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("monitors")
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(SCRIPT, "--out", out)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     events = EventAccumulator(ranks[0]["log_dir"], size_guidance={"tensors": 0, "scalars": 0}).Reload()
     return ranks, events

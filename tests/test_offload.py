@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_ranks
+from distributed import run_ranks, run_script
 from gpt import GPT, GPTConfig, random_tokens
 from benchmark_offload import Layers
 from torch import nn
@@ -317,11 +317,7 @@ def test_checkpoint_resume_under_offload_is_exact(tmp_path):
     script = Path(__file__).parent / "scripts" / "flows_run.py"
     for offload in ("cpu", "nvme"):
         out = tmp_path / offload
-        done = subprocess.run(
-            [sys.executable, str(script), "resume", "--out", str(out), "--offload", offload],
-            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        run_script(script, "resume", "--out", out, "--offload", offload)
         for rank in range(2):
             r = json.loads((out / f"resume-rank{rank}.json").read_text())
             assert r["first"] == r["straight"][:3]

@@ -3,13 +3,11 @@ at world sizes 1, 2 and 4."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "parity_run.py"
 LOSS_RTOL = 1e-5
@@ -39,10 +37,8 @@ OFFLOAD_VARIANTS = ["base", "accum", "clip_norm"]
 
 
 def _launch(out: Path, devices: int, variants: list[str], strategies: str = "zero3,ddp") -> None:
-    cmd = [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out), "--strategies", strategies]
-    cmd += ["--variants", ",".join(variants)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(SCRIPT, "--devices", devices, "--out", out, "--strategies", strategies, "--variants", ",".join(variants),
+               timeout=900)
 
 
 @pytest.fixture(scope="module")

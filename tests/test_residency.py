@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_script
 from gpt import GPT, GPTConfig
 
 from lightning_zero3 import Zero3Config, Zero3Engine
@@ -63,9 +61,7 @@ def test_outside_the_trainer_forward_calls_without_gradients_keep_units_and_trai
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     out = tmp_path_factory.mktemp("inference")
-    done = subprocess.run([sys.executable, str(SCRIPT), "inference", "--out", str(out)], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(SCRIPT, "inference", "--out", out)
     return [json.loads((out / f"inference-rank{rank}.json").read_text()) for rank in range(2)]
 
 

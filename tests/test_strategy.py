@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from distributed import run_script
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero3
@@ -23,14 +21,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"
 
 
 def run_flows(mode: str, out: Path) -> list[dict]:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), mode, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(SCRIPT, mode, "--out", out)
     return [json.loads((out / f"{mode}-rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -177,11 +168,7 @@ def test_checkpoint_resume_is_exact_and_a_full_checkpoint_loads_under_ddp(tmp_pa
 @pytest.mark.parametrize("devices", [1, 4])
 def test_model_checkpoint_writes_sharded_directories_and_resume_is_exact(tmp_path, devices):
     script = Path(__file__).parent / "scripts" / "checkpoint_run.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--devices", str(devices), "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(script, "--devices", devices, "--out", tmp_path)
     for rank in range(devices):
         r = json.loads((tmp_path / f"checkpoint-rank{rank}.json").read_text())
         assert len(r["straight"]) == 6 and r["resumed"] == r["straight"][3:]  # bitwise, scheduler included
