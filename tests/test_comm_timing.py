@@ -180,7 +180,8 @@ class MetaGroupComm(Communicator):
 @pytest.mark.parametrize("monitor", [MemoryMonitor(), CommMonitor()], ids=["memory", "comm"])
 def test_monitors_gather_on_the_device_of_the_engines_group(monitor):
     engine = SimpleNamespace(
-        comm=MetaGroupComm(), device=torch.device("cpu"), schedule=SimpleNamespace(prefetch_hits=0, starts=0)
+        comm=MetaGroupComm(), device=torch.device("cpu"),
+        schedule=SimpleNamespace(prefetch_hits=0, starts=0, trace_changes=0, steps=0),
     )
     trainer = SimpleNamespace(
         strategy=SimpleNamespace(engine=engine), log_every_n_steps=1, global_step=0, is_global_zero=False, loggers=[]
@@ -213,7 +214,7 @@ def _slowed_all_gather():
 
 def _utilization_case(rank: int, world: int) -> dict:
     comm = Communicator()
-    engine = SimpleNamespace(comm=comm, schedule=SimpleNamespace(prefetch_hits=0, starts=0))
+    engine = SimpleNamespace(comm=comm, schedule=SimpleNamespace(prefetch_hits=0, starts=0, trace_changes=0, steps=0))
     trainer = SimpleNamespace(strategy=SimpleNamespace(engine=engine), log_every_n_steps=1, global_step=0,
                               is_global_zero=rank == 0, loggers=[])  # fmt: skip
     monitor = CommMonitor(every_n_steps=1)
