@@ -4,6 +4,13 @@
     python examples/benchmark.py --runs 5 --steps 30   # more samples
     python examples/benchmark.py --n-layer 2 --n-embd 64 --steps 6 --runs 1   # a quick look
     python examples/benchmark.py --accelerator cuda --devices 1 --precision bf16-mixed --strategies zero3,ddp,fsdp2
+    python examples/benchmark.py --nodes 2             # 2 simulated nodes x 2 ranks: bytes crossing nodes
+
+With ``--nodes N`` every run is N torchrun agents on this host meeting at a c10d rendezvous, each starting
+``--devices`` ranks (``examples/nodes.py``), the Trainer gets ``num_nodes=N``, and the table adds the bytes
+one rank receives from other nodes per step. The strategies then default to zero3, zero3 with secondary
+shards (``zero3_hpz``: ``secondary_shard_size="node"``), zero3 with int8 gathers (``zero3_int8``), DDP, and
+FSDP2 as HSDP (``fully_shard`` over a 2-D (replicate, shard) mesh: replicas across nodes, shards inside one).
 
 Every strategy trains the same GPT on the same data for the same steps, with the same seed; the runs
 alternate between strategies (A B C D, B C D A, ...) so that drift of the machine hits all alike. Each
@@ -38,19 +45,30 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed")
+STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_hpz", "zero3_int8", "zero3_hpz_int8")
+ONE_NODE = "zero3,ddp,fsdp2,deepspeed"
+SEVERAL_NODES = "zero3,zero3_hpz,zero3_int8,ddp,fsdp2"
+# zero3's variants: the settings each adds to ``--zero3``
+ZERO3_VARIANTS = {
+    "zero3": {},
+    "zero3_hpz": {"secondary_shard_size": "node"},
+    "zero3_int8": {"quantize_gathers": "int8"},
+    "zero3_hpz_int8": {"secondary_shard_size": "node", "quantize_gathers": "int8"},
+}
 # what a worker needs to know of the parent's arguments
-WORKER_ARGS = ("steps", "warmup", "devices", "batch_size", "block_size", "n_layer", "n_embd", "n_head", "vocab_size",
-               "zero3", "accelerator", "precision")  # fmt: skip
+WORKER_ARGS = ("steps", "warmup", "devices", "nodes", "batch_size", "block_size", "n_layer", "n_embd", "n_head",
+               "vocab_size", "zero3", "accelerator", "precision")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", default=None,
+                   help=f"comma-separated, of {', '.join(STRATEGIES)}; default {ONE_NODE} ({SEVERAL_NODES} with --nodes > 1)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2, help="ranks per node")
+    p.add_argument("--nodes", type=int, default=1, help="simulated nodes, each a torchrun agent on this host")
     p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="zero3, ddp and fsdp2 only")
     p.add_argument("--precision", default="32-true", help="Lightning's precision flag (zero3, ddp and fsdp2 only)")
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
@@ -72,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> dict:
-    strategies = args.strategies.split(",")
+    strategies = (args.strategies or (SEVERAL_NODES if args.nodes > 1 else ONE_NODE)).split(",")
     results: dict[str, list[dict]] = {s: [] for s in strategies}
     skipped: dict[str, str] = {}
     for run in range(args.runs):
@@ -102,20 +120,28 @@ def main(args: argparse.Namespace) -> dict:
 def launch(strategy: str, args: argparse.Namespace) -> dict | str:
     if strategy == "deepspeed" and not _deepspeed_available():
         return "skipped: the deepspeed package is not installed (pip install deepspeed)"
+    if strategy == "deepspeed" and args.nodes > 1:
+        return "skipped: not run across simulated nodes (its launcher is not Lightning's)"
     forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in WORKER_ARGS]
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         worker = [str(HERE / "benchmark.py"), *forwarded, "--worker", strategy, "--result", str(result)]
-        if strategy == "deepspeed":
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        if args.nodes > 1:
+            from nodes import run_as_nodes
+
+            code, output = run_as_nodes(worker, args.nodes, args.devices, env, timeout=3600)
+        elif strategy == "deepspeed":
             port = _free_port()
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.devices}",
                    f"--master-port={port}", *worker]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+            code, output = done.returncode, done.stderr or done.stdout
         else:
-            cmd = [sys.executable, *worker]
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-        if done.returncode != 0 or not result.exists():
-            return f"failed (exit {done.returncode}): {(done.stderr or done.stdout)[-1500:]}"
+            done = subprocess.run([sys.executable, *worker], capture_output=True, text=True, env=env, timeout=3600)
+            code, output = done.returncode, done.stderr or done.stdout
+        if code != 0 or not result.exists():
+            return f"failed (exit {code}): {output[-1500:]}"
         return json.loads(result.read_text())
 
 
@@ -126,7 +152,7 @@ def describe(outcome: dict | str) -> str:
 
 
 def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> dict:
-    tokens = args.devices * args.batch_size * args.block_size
+    tokens = args.nodes * args.devices * args.batch_size * args.block_size
     rows: dict[str, dict] = {}
     for strategy, runs in results.items():
         if not runs:
@@ -142,6 +168,9 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> 
             "losses": runs[0]["losses"],
             "runs": len(runs),
         }
+        if args.nodes > 1:  # bytes are the same in every run (the same collectives): the first run's
+            rows[strategy]["inter_node_bytes_per_step"] = runs[0]["inter_node_bytes_per_step"]
+            rows[strategy]["counted_inter_node_bytes_per_step"] = runs[0]["counted_inter_node_bytes_per_step"]
     reference = rows.get("ddp")
     for row in rows.values():
         if reference:
@@ -158,6 +187,10 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> 
 def table(summary: dict, args) -> str:
     head = ("strategy", "step s", "tokens/s", "x DDP", "peak RSS/rank MiB", "model states/rank MiB",
             "x DDP", "exposed comm", "losses vs DDP")  # fmt: skip
+    several = args.nodes > 1
+    if several:
+        head += ("inter-node MB/step/rank", "x DDP", "counted MB")
+    reference = summary["rows"].get("ddp", {}).get("inter_node_bytes_per_step")
     lines = [head]
     for name, row in summary["rows"].items():
         share = row.get("exposed_comm_share")
@@ -173,14 +206,21 @@ def table(summary: dict, args) -> str:
             f"{share:.1%}" if share is not None else "n/a",
             "n/a" if diff is None else (f"match ({diff:.0e})" if diff <= 1e-4 else f"DIFFER ({diff:.1e})"),
         ))  # fmt: skip
+        if several:
+            inter = row["inter_node_bytes_per_step"]
+            lines[-1] += (
+                f"{inter / 1e6:.2f}", f"{inter / reference:.2f}" if reference else "n/a",
+                f"{row['counted_inter_node_bytes_per_step'] / 1e6:.2f}",
+            )  # fmt: skip
     for name, why in summary["skipped"].items():
-        lines.append((name, why.splitlines()[0][:90], "", "", "", "", "", "", ""))
+        lines.append((name, why.splitlines()[0][:90]) + ("",) * (len(head) - 2))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
     out.insert(1, "-+-".join("-" * width for width in widths))
     cfg = summary["config"]
+    ranks = f"{args.nodes} nodes x {args.devices}" if several else f"{args.devices}"
     out.append(
-        f"\nGPT {cfg['n_layer']} layers x {cfg['n_embd']} wide, {args.devices} {args.accelerator.upper()} ranks, "
+        f"\nGPT {cfg['n_layer']} layers x {cfg['n_embd']} wide, {ranks} {args.accelerator.upper()} ranks, "
         f"batch {cfg['batch_size']} x {cfg['block_size']} tokens per rank, {args.precision} AdamW; "
         f"median over {cfg['runs']} runs of "
         f"{cfg['steps'] - cfg['warmup']} timed steps."
@@ -202,7 +242,8 @@ def model_config(args):
 def dataset(args):
     from gpt import random_tokens
 
-    return random_tokens(args.steps * args.devices * args.batch_size, args.block_size, args.vocab_size, seed=1)
+    ranks = args.nodes * args.devices
+    return random_tokens(args.steps * ranks * args.batch_size, args.block_size, args.vocab_size, seed=1)
 
 
 def zero3_knobs(text: str) -> dict:
@@ -245,13 +286,21 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
 
     import lightning_zero3
     from gpt import GPTModule
+    from nodes import CrossNodeCounter
+
+    # bytes from other nodes, counted inside torch.distributed's collectives (see nodes.py), timed steps only
+    counter = CrossNodeCounter(args.devices).install() if args.nodes > 1 else None
 
     class BenchGPT(GPTModule):
         def configure_model(self):
             if isinstance(self.trainer.strategy, ModelParallelStrategy):  # FSDP2: one unit per block
+                from torch.distributed.device_mesh import init_device_mesh
                 from torch.distributed.fsdp import fully_shard
 
                 mesh = self.device_mesh["data_parallel"]
+                if args.nodes > 1:  # HSDP: replicas across nodes, shards within a node
+                    shape, names = (args.nodes, args.devices), ("replicate", "shard")
+                    mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
                 for block in self.model.blocks:
                     fully_shard(block, mesh=mesh)
                 fully_shard(self.model, mesh=mesh)
@@ -260,10 +309,23 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.step_times, self.losses, self.model_state, self.comm_at_warmup = [], [], 0, None
             self._start = 0.0
+            self.ledger_inter_node = 0  # zero3: bytes from other nodes in its own ledger, timed steps
+            self._ledger_at_start = 0
+
+        def on_train_start(self, trainer, pl_module):
+            if counter is not None and isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                # DDP's built-in all-reduce runs in C++, out of the counter's sight (and Lightning registers
+                # hooks on CUDA only): this hook all-reduces each bucket the same way, from Python
+                trainer.strategy.model.register_comm_hook(None, default_hooks.allreduce_hook)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == args.warmup:
                 self.comm_at_warmup = exposed_seconds(trainer)
+            if counter is not None:
+                counter.counting = batch_idx >= args.warmup
+                self._ledger_at_start = ledger_inter_node(trainer)
             finish_device_work(trainer)
             self._start = time.perf_counter()
 
@@ -284,6 +346,10 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
             elapsed = time.perf_counter() - self._start
             if batch_idx >= args.warmup:
                 self.step_times.append(elapsed)
+            if counter is not None:
+                counter.counting = False  # not the loss's all-reduce below
+                if batch_idx >= args.warmup:
+                    self.ledger_inter_node += ledger_inter_node(trainer) - self._ledger_at_start
             self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
     def finish_device_work(trainer):
@@ -294,17 +360,22 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         return None if engine is None else sum(s.exposed_seconds for s in engine.comm.stats.values())
 
+    def ledger_inter_node(trainer):
+        engine = getattr(trainer.strategy, "engine", None)
+        return 0 if engine is None else engine.comm.inter_node_total()
+
     pl.seed_everything(0)
     model = BenchGPT(model_config(args))
-    chosen = {
-        "zero3": lambda: lightning_zero3.Zero3Strategy(**zero3_knobs(args.zero3)),
-        "ddp": lambda: "ddp",
-        "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
-    }[strategy]()
+    if strategy in ZERO3_VARIANTS:
+        chosen = lightning_zero3.Zero3Strategy(**{**zero3_knobs(args.zero3), **ZERO3_VARIANTS[strategy]})
+    elif strategy == "ddp":
+        chosen = "ddp"
+    else:
+        chosen = ModelParallelStrategy(data_parallel_size=args.nodes * args.devices, tensor_parallel_size=1)
     probe = Probe()
-    trainer = pl.Trainer(strategy=chosen, accelerator=args.accelerator, devices=args.devices, max_steps=args.steps,
-                         precision=args.precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[probe])  # fmt: skip
+    trainer = pl.Trainer(strategy=chosen, accelerator=args.accelerator, num_nodes=args.nodes, devices=args.devices,
+                         max_steps=args.steps, precision=args.precision, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])  # fmt: skip
     trainer.fit(model, DataLoader(dataset(args), batch_size=args.batch_size))
     exposed = None
     if probe.comm_at_warmup is not None:
@@ -313,8 +384,20 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
     rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=device)
     state = torch.tensor([probe.model_state], dtype=torch.float64, device=device)
     rss, state = (trainer.strategy.reduce(t, reduce_op="max") for t in (rss, state))
+    extra = {}
+    if counter is not None:  # per step, mean over ranks
+        counted, ledger = (
+            trainer.strategy.reduce(torch.tensor([float(value)], dtype=torch.float64, device=device), reduce_op="mean")
+            for value in (counter.bytes, probe.ledger_inter_node)
+        )
+        engine = getattr(trainer.strategy, "engine", None)
+        steps = len(probe.step_times)
+        extra = {
+            "inter_node_bytes_per_step": (ledger if engine is not None else counted).item() / steps,
+            "counted_inter_node_bytes_per_step": counted.item() / steps,
+        }
     if trainer.is_global_zero:
-        write_result(args, probe.step_times, probe.losses, int(rss.item()), int(state.item()), exposed)
+        write_result(args, probe.step_times, probe.losses, int(rss.item()), int(state.item()), exposed, extra)
 
 
 def deepspeed_worker(args: argparse.Namespace) -> None:
@@ -375,10 +458,10 @@ def deepspeed_model_state(engine) -> int:
     return total
 
 
-def write_result(args, step_times, losses, rss, state, exposed) -> None:
+def write_result(args, step_times, losses, rss, state, exposed, extra: dict | None = None) -> None:
     args.result.write_text(json.dumps({
         "step_times": step_times, "losses": losses, "peak_rss_bytes": rss,
-        "model_state_bytes": state, "exposed_comm_per_step": exposed,
+        "model_state_bytes": state, "exposed_comm_per_step": exposed, **(extra or {}),
     }))  # fmt: skip
 
 

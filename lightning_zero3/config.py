@@ -84,6 +84,20 @@ class Zero3Config:
     """At start-up, time each way of doing the all-gather and the reduce-scatter at the sizes this model
     uses, on this job's process group, and use the fastest (see ``engine/comm.py``)."""
 
+    secondary_shard_size: Optional[Union[int, str]] = None
+    """Node-local secondary shards (ZeRO++ hpZ): after a unit's forward, each rank keeps its share of the
+    unit's parameters within its group of this many consecutive ranks, and backward re-gathers the unit
+    from those shares over that group instead of over all ranks. ``"node"``: the ranks of one node (the
+    Trainer's ``devices``), so backward's gathers never cross a node boundary. Must divide the number of
+    ranks. Costs about 1/size of the units alive between their forward and backward (``memory_report``:
+    ``secondary_shards``). ``None``: off. DeepSpeed: ``zero_hpz_partition_size``."""
+
+    quantize_gathers: Optional[str] = None
+    """``"int8"``: units are all-gathered as int8 blocks of 256 elements with an fp32 scale each (about
+    0.25x the bytes of fp32, 0.51x of bf16) and dequantized into the compute dtype; masters, gradients
+    and optimizer state stay in full precision. Persistent (small) parameters and gathers from secondary
+    shards are not quantized. ``None``: gathers in the compute dtype. DeepSpeed: ``zero_quantized_weights``."""
+
     cpu_threads: Optional[int] = None
     """Compute threads per rank on CPU (``torch.set_num_threads``). None: the cores this rank may run on
     divided by the ranks of the job that share them on this machine (however many nodes the launcher
@@ -171,6 +185,7 @@ class Zero3Config:
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, minimum=1)
+        _check_hierarchy(self)
         for name in ("overlap_comm", "tune_collectives", "unshard_after_fit"):
             if not isinstance(getattr(self, name), bool):
                 raise Zero3ConfigError(f"zero3: `{name}` must be True or False, got {getattr(self, name)!r}.")
@@ -284,6 +299,25 @@ def _check_unit_modules(value: Any) -> None:
             continue
         raise Zero3ConfigError(
             f"zero3: `unit_modules` entry {item!r} is neither an nn.Module subclass nor a class name."
+        )
+
+
+QUANTIZED_GATHERS = (None, "int8")
+
+
+def _check_hierarchy(config: "Zero3Config") -> None:
+    size = config.secondary_shard_size
+    if size is not None and size != "node":
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or size != int(size) or size < 1:
+            raise Zero3ConfigError(
+                f"zero3: `secondary_shard_size` must be None (off), \"node\" (the ranks of one node) or a whole "
+                f"number of ranks >= 1 that divides the world size, got {size!r}."
+            )
+        object.__setattr__(config, "secondary_shard_size", int(size))
+    if config.quantize_gathers not in QUANTIZED_GATHERS:
+        raise Zero3ConfigError(
+            f"zero3: `quantize_gathers={config.quantize_gathers!r}` is not a gather encoding; use None (the "
+            'compute dtype) or "int8" (int8 blocks with a scale each).'
         )
 
 

@@ -27,6 +27,19 @@ TOP_LEVEL = {
     "overlap_comm": "overlap_comm",
 }
 
+def _quantized_weights(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise Zero3ConfigError(f"zero3: DeepSpeed `zero_quantized_weights` must be true or false, got {value!r}.")
+    return "int8" if value else None
+
+
+#: ``zero_optimization`` key -> (zero3 setting, how its value translates); ZeRO++ (hpZ, qwZ)
+CONVERTED = {
+    # DeepSpeed's default 1 means off; otherwise the ranks a secondary shard is kept over
+    "zero_hpz_partition_size": ("secondary_shard_size", lambda v: None if v == 1 else v),
+    "zero_quantized_weights": ("quantize_gathers", _quantized_weights),
+}
+
 #: ``offload_optimizer.*`` / ``offload_param.*`` key -> zero3 setting (shared by both blocks)
 OFFLOAD = {
     "device": None,  # offload_optimizer / offload_params, by block
@@ -56,10 +69,10 @@ NO_MEANING = {
     "cpu_offload_params": "deprecated in DeepSpeed; use offload_param",
     "cpu_offload_use_pin_memory": "deprecated in DeepSpeed; use offload_*.pin_memory",
     "memory_efficient_linear": "no custom linear kernels here",
-    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not implemented",
-    "zero_quantized_weights": "ZeRO++ quantized weights are not implemented",
-    "zero_quantized_nontrainable_weights": "ZeRO++ quantized weights are not implemented",
-    "zero_quantized_gradients": "ZeRO++ quantized gradients are not implemented",
+    "zero_quantized_nontrainable_weights": (
+        "frozen units are gathered like the others: zero_quantized_weights quantizes every unit's gathers"
+    ),
+    "zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ) are not implemented: gradients reduce in reduce_dtype",
     "mics_shard_size": "MiCS is not implemented",
     "mics_hierarchical_params_gather": "MiCS is not implemented",
     "stage3_module_granularity_threshold": "units are chosen by unit_modules",
@@ -129,6 +142,9 @@ def translate(source: DeepSpeedSource) -> dict[str, Any]:
     for key, value in block.items():
         if key in TOP_LEVEL:
             put(TOP_LEVEL[key], value, key)
+        elif key in CONVERTED:
+            setting, convert = CONVERTED[key]
+            put(setting, value if value == "auto" else convert(value), key)
         elif key in OFFLOAD_BLOCKS:
             _offload(key, value or {}, put, ignored)
         else:

@@ -117,6 +117,8 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         reduce_bucket_size: int = DEFAULTS.reduce_bucket_size,
         overlap_comm: bool = DEFAULTS.overlap_comm,
         tune_collectives: bool = DEFAULTS.tune_collectives,
+        secondary_shard_size: Optional[Union[int, Literal["node"]]] = DEFAULTS.secondary_shard_size,
+        quantize_gathers: Optional[Literal["int8"]] = DEFAULTS.quantize_gathers,
         cpu_threads: Optional[int] = DEFAULTS.cpu_threads,
         reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = DEFAULTS.reduce_dtype,
         sync_module_states: bool = DEFAULTS.sync_module_states,
@@ -272,7 +274,8 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         if engine is None:
             precision.convert_module(module)
             self.model_to_device()
-            engine = Zero3Engine(module, self.config, Communicator(), self.root_device, dtypes, _init_hook(module))
+            comm = Communicator(ranks_per_node=self.num_processes)  # Lightning numbers ranks node by node
+            engine = Zero3Engine(module, self.config, comm, self.root_device, dtypes, _init_hook(module))
         else:
             self._reuse(engine, dtypes)
         self._engine = engine

@@ -5,6 +5,8 @@ since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max
   - ``bytes``, ``count``, ``seconds`` (issue to completion: the host's clock on gloo, device events on
     CUDA, see [Note: completion time] in ``engine/timing.py``), ``exposed_seconds`` (time the compute
     side waited for it);
+  - ``inter_node_bytes``: the bytes this rank received from ranks on other nodes (a rank's node is its
+    global rank // the Trainer's ``devices``; see [Note: inter-node bytes] in ``engine/topology.py``);
   - ``algbw_GBps`` = bytes / seconds, with bytes the full (gathered or pre-scatter) buffer, and
     ``busbw_GBps`` = algbw x (n-1)/n for all-gather and reduce-scatter, x 2(n-1)/n for all-reduce
     (nccl-tests' ``PERFORMANCE.md``; n = the engine's group size);
@@ -88,7 +90,7 @@ class CommMonitor(Zero3Monitor):
 
     def _snapshot(self) -> dict:
         comm, schedule = self.engine.comm, self.engine.schedule
-        totals = {k: (s.count, s.bytes, s.seconds, s.exposed_seconds) for k, s in comm.stats.items()}
+        totals = {k: (s.count, s.bytes, s.seconds, s.exposed_seconds, s.inter_node_bytes) for k, s in comm.stats.items()}
         sizes = {key: (s.bytes, s.seconds) for key, s in comm.by_size.items()}
         return {
             "kinds": totals,
@@ -105,11 +107,12 @@ class CommMonitor(Zero3Monitor):
         now, before = self._snapshot(), self._seen
         self._seen = self._snapshot()  # measuring does not count, see Communicator.measure_peaks
         figures: Figures = {}
-        for kind, (count, nbytes, seconds, exposed) in now["kinds"].items():
-            c0, b0, s0, e0 = before["kinds"].get(kind, (0, 0, 0.0, 0.0))
+        for kind, (count, nbytes, seconds, exposed, inter_node) in now["kinds"].items():
+            c0, b0, s0, e0, i0 = before["kinds"].get(kind, (0, 0, 0.0, 0.0, 0))
             count, nbytes, seconds, exposed = count - c0, nbytes - b0, seconds - s0, exposed - e0
             algbw = nbytes / seconds / 1e9 if count and seconds > 0 else NAN
             figures[f"{kind}/bytes"] = float(nbytes)
+            figures[f"{kind}/inter_node_bytes"] = float(inter_node - i0)
             figures[f"{kind}/count"] = float(count)
             figures[f"{kind}/seconds"] = seconds
             figures[f"{kind}/exposed_seconds"] = exposed
@@ -178,6 +181,7 @@ class CommMonitor(Zero3Monitor):
                 "utilization of measured peak": ["Multiline", [rf"zero3/comm/{kinds}/utilization/mean"]],
                 "exposed seconds (max over ranks)": ["Multiline", [rf"zero3/comm/{kinds}/exposed_seconds/max"]],
                 "bytes (mean over ranks)": ["Multiline", [rf"zero3/comm/{kinds}/bytes/mean"]],
+                "bytes from other nodes (mean over ranks)": ["Multiline", [rf"zero3/comm/{kinds}/inter_node_bytes/mean"]],
                 "prefetch hit rate": ["Multiline", [r"zero3/comm/prefetch_hit_rate/mean"]],
                 "steps whose unit order changed": ["Multiline", [r"zero3/comm/trace_changes/max"]],
             }

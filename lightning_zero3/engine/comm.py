@@ -4,7 +4,8 @@ Every byte zero3 moves between ranks goes through a ``Communicator``. It records
 how many calls, how many bytes, how many seconds from issue to completion, and how many of those
 seconds the compute side actually waited (*exposed* time; the rest overlapped with compute), on every
 backend: see [Note: completion time] in ``timing.py``. Bytes are counted as nccl-tests counts them:
-the size of the full (gathered, or pre-scatter) buffer.
+the size of the full (gathered, or pre-scatter) buffer. The same totals are kept per process group
+(``by_group``), with the bytes that came from other nodes (see [Note: inter-node bytes] in topology.py).
 
 All-gathers and reduce-scatters may be issued asynchronously: the call returns a ``Pending`` whose
 ``wait()`` completes it. With a world of one rank the collectives are plain copies: the engine runs the
@@ -28,7 +29,8 @@ NCCL would pair one rank's reduce-scatter with another rank's all-gather. A thir
 tiny blocking identity checks that precede every all-gather (``agree``, see [Note: every all-gather is
 checked] in agreement.py): on the job's group a check would queue behind the large gathers in flight
 and wait for them (NCCL runs one group's collectives in order on one stream), undoing the prefetch; it
-is a gloo group whatever the job's backend (host tags, no device synchronisation).
+is a gloo group whatever the job's backend (host tags, no device synchronisation). With secondary shards
+(``secondary_shard_size``) a fourth kind of group joins them: see [Note: node-local secondary groups].
 
 [Note: peak bandwidth]
 ``measure_peaks`` times each (kind, size) this job has used as nccl-tests does: on the job's own group,
@@ -57,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from .timing import Clock, Span, clock_for
+from .topology import Topology, inter_node_bytes
 
 
 @dataclass
@@ -67,12 +70,14 @@ class CollectiveStats:
     bytes: int = 0
     seconds: float = 0.0  # issue to completion
     exposed_seconds: float = 0.0  # time the compute side waited for it
+    inter_node_bytes: int = 0  # received from ranks on other nodes, see [Note: inter-node bytes] in topology.py
 
-    def add(self, nbytes: int, seconds: float, exposed: float) -> None:
+    def add(self, nbytes: int, seconds: float, exposed: float, inter_node: int = 0) -> None:
         self.count += 1
         self.bytes += nbytes
         self.seconds += seconds
         self.exposed_seconds += exposed
+        self.inter_node_bytes += inter_node
 
 
 class Pending:
@@ -87,12 +92,14 @@ class Pending:
         stats: list[CollectiveStats],
         nbytes: int,
         finish: Optional[Callable[[], None]],
+        inter_node: int = 0,
     ) -> None:
         self._comm = comm
         self._work = work
         self._span = span
         self._stats = stats
         self._nbytes = nbytes
+        self._inter_node = inter_node
         self._finish = finish
         self.done = False
         span.issued(work)
@@ -110,7 +117,7 @@ class Pending:
         self._span.waited()
         if self._finish is not None:
             self._finish()
-        self._comm._record(self._span, self._stats, self._nbytes)
+        self._comm._record(self._span, self._stats, self._nbytes, self._inter_node)
         self.done = True
 
 
@@ -131,7 +138,9 @@ class Communicator:
         "broadcast": lambda n: 1.0,
     }
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, ranks_per_node: Optional[int] = None) -> None:
+        """``ranks_per_node``: how many consecutive global ranks share a node (the Trainer's ``devices``);
+        None: ``LOCAL_WORLD_SIZE`` if set, else one node (see ``topology.py``)."""
         self.group = group
         # see [Note: three process groups]; both are the job's group until ``open_side_groups``
         self.reduce_group: Optional[dist.ProcessGroup] = group
@@ -140,24 +149,68 @@ class Communicator:
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
+            self.global_rank = dist.get_rank()
+            members = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+            job_size = dist.get_world_size()
         else:
-            self.rank, self.world_size = 0, 1
+            self.rank, self.world_size, self.global_rank, members, job_size = 0, 1, 0, [0], 1
+        self.topology = Topology.from_environment(job_size, ranks_per_node)
+        self.members = members  # global ranks of the job's group, in group-rank order
+        # [Note: node-local secondary groups]: this rank's group of consecutive ranks, by ``open_secondary_groups``
+        self.secondary_group: Optional[dist.ProcessGroup] = None
+        self.secondary_members: list[int] = [self.global_rank]
+        self._secondary_groups: list[dist.ProcessGroup] = []
         self._stats = {kind: CollectiveStats() for kind in self.KINDS}
         self._by_size: dict[tuple[str, int], CollectiveStats] = {}  # (kind, bytes) -> totals at that size
+        self._by_group: dict[tuple[str, str], CollectiveStats] = {}  # (group name, kind) -> totals
         self._dtypes: dict[tuple[str, int], torch.dtype] = {}  # the dtype each (kind, bytes) was seen in
         self._clock: Optional[Clock] = None  # chosen by the group's device on first use
-        self._timings: deque[tuple[Span, list[CollectiveStats], int]] = deque()  # waited, not yet added
+        self._timings: deque[tuple[Span, list[CollectiveStats], int, int]] = deque()  # waited, not yet added
         self.choice: dict[tuple[str, int], str] = {}  # (kind, bytes of the full buffer) -> way, by ``tune``
         self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
         self.checks = 0  # identity checks run by ``agree``
 
-    def _sinks(self, kind: str, tensor: torch.Tensor) -> list[CollectiveStats]:
-        """Where one collective of ``kind`` over ``tensor`` (the full buffer) is counted."""
-        key = (kind, tensor.numel() * tensor.element_size())
-        if key not in self._by_size:
-            self._by_size[key] = CollectiveStats()
-            self._dtypes[key] = tensor.dtype
-        return [self._stats[kind], self._by_size[key]]
+    def _sinks(self, kind: str, tensor: torch.Tensor, over: str = "job") -> list[CollectiveStats]:
+        """Where one collective of ``kind`` over ``tensor`` (the full buffer) on group ``over`` is counted:
+        the kind's totals, the group's, and (on the job's ranks) the totals at that message size, which
+        ``measure_peaks`` times again on the job's group."""
+        sinks = [self._stats[kind], self._by_group.setdefault((over, kind), CollectiveStats())]
+        if over in ("job", "reduce"):
+            key = (kind, tensor.numel() * tensor.element_size())
+            if key not in self._by_size:
+                self._by_size[key] = CollectiveStats()
+                self._dtypes[key] = tensor.dtype
+            sinks.append(self._by_size[key])
+        return sinks
+
+    # -- [Note: inter-node bytes] in topology.py ---------------------------------------------------
+
+    def group_members(self, over: str) -> list[int]:
+        """Global ranks of the group a collective runs ``over``: "job", "reduce", "check" or "secondary"."""
+        return self.secondary_members if over == "secondary" else self.members
+
+    def group_size(self, over: str) -> int:
+        """Ranks in the group a collective runs ``over``."""
+        return len(self.secondary_members) if over == "secondary" else self.world_size
+
+    def _inter_node(self, kind: str, nbytes: int, over: str) -> int:
+        members = self.group_members(over)
+        return inter_node_bytes(kind, nbytes, len(members), self.topology.remote_members(members, self.global_rank))
+
+    @property
+    def by_group(self) -> dict[tuple[str, str], CollectiveStats]:
+        """Totals per (group, kind), every waited collective included. Groups: "job" (all-gathers from the
+        primary shards, all-reduces, broadcasts), "reduce" (reduce-scatters), "check" (identity checks, kind
+        "check") and "secondary" (all-gathers from node-local secondary shards)."""
+        self.settle()
+        return self._by_group
+
+    def inter_node_total(self, kind: Optional[str] = None, over: Optional[str] = None) -> int:
+        """Bytes this rank received from other nodes so far, over every kind and group or those named."""
+        return sum(
+            s.inter_node_bytes for (group, k), s in self.by_group.items()
+            if (kind is None or k == kind) and (over is None or group == over)
+        )  # fmt: skip
 
     # -- time accounting ([Note: completion time] in timing.py) ----------------------------------
 
@@ -187,8 +240,8 @@ class Communicator:
         """Waited collectives whose time is not in the totals yet."""
         return len(self._timings)
 
-    def _record(self, span: Span, sinks: list[CollectiveStats], nbytes: int) -> None:
-        self._timings.append((span, sinks, nbytes))
+    def _record(self, span: Span, sinks: list[CollectiveStats], nbytes: int, inter_node: int = 0) -> None:
+        self._timings.append((span, sinks, nbytes, inter_node))
         if len(self._timings) > self.DRAIN_AT:
             self.settle(block=False)
 
@@ -196,7 +249,7 @@ class Communicator:
         """Add waited collectives' times to the totals, in issue order; ``block=False``: only those whose
         time can be read now (no device sync), stopping at the first that cannot."""
         while self._timings:
-            span, sinks, nbytes = self._timings[0]
+            span, sinks, nbytes, inter_node = self._timings[0]
             if not span.ready():
                 if not block:
                     return
@@ -204,7 +257,7 @@ class Communicator:
             self._timings.popleft()
             seconds, exposed = span.seconds(), span.exposed()
             for stats in sinks:
-                stats.add(nbytes, seconds, exposed)
+                stats.add(nbytes, seconds, exposed, inter_node)
 
     def open_side_groups(self, timeout: Optional[timedelta] = None) -> None:
         """Create the reduce-scatter and check groups (once; a collective over every rank of the job, as
@@ -221,12 +274,41 @@ class Communicator:
         self.reduce_group, self.check_group = reduce, check
         self._side_groups = [reduce, check]
 
+    def open_secondary_groups(self, size: int, timeout: Optional[timedelta] = None) -> None:
+        """Create the groups of ``size`` consecutive ranks of the job's group that secondary shards are
+        gathered over, and keep this rank's (once; a collective over every rank of the job).
+
+        [Note: node-local secondary groups]
+        ``torch.distributed.new_group`` is a collective over the whole job even for a subgroup, so every
+        rank creates every group, in the same order (0..size-1, size..2 size-1, ...), and keeps its own.
+        They carry all-gathers only, issued in the recorded execution order like those on the job's group;
+        a group of one rank needs no process group (its all-gather is a copy). With ``size`` the ranks of
+        a node, the group never crosses a node boundary."""
+        if self._secondary_groups or size <= 1 or size >= self.world_size:
+            return  # open already; or one rank each (no group needed), or the job's group itself
+        backend = dist.get_backend(self.group)
+        for start in range(0, self.world_size, size):
+            members = self.members[start : start + size]
+            group = dist.new_group(members, timeout=timeout, backend=backend, group_desc=f"zero3_secondary_{start}")
+            self._secondary_groups.append(group)
+            if self.global_rank in members:
+                self.secondary_group, self.secondary_members = group, members
+
+    def close_secondary_groups(self) -> None:
+        """Destroy the groups ``open_secondary_groups`` made (local; the collectives on them must be done)."""
+        for group in self._secondary_groups:
+            dist.destroy_process_group(group)
+        self._secondary_groups = []
+        self.secondary_group, self.secondary_members = None, [self.global_rank]
+
     def close_side_groups(self) -> None:
-        """Destroy the groups ``open_side_groups`` made (local; the collectives on them must be done)."""
+        """Destroy the groups ``open_side_groups`` and ``open_secondary_groups`` made (local; the collectives
+        on them must be done)."""
         for group in self._side_groups:
             dist.destroy_process_group(group)
         self._side_groups = []
         self.reduce_group = self.check_group = self.group
+        self.close_secondary_groups()
 
     def bus_factor(self, kind: str) -> float:
         return self.BUS_FACTOR[kind](self.world_size) if self.world_size > 1 else 1.0
@@ -237,28 +319,36 @@ class Communicator:
 
     # -- sharding collectives (sync or async) -----------------------------------------------------
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Optional[Pending]:
-        """Fill ``output`` (``world_size * shard.numel()`` elements) with every rank's ``shard`` in rank order."""
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, over: str = "job"
+    ) -> Optional[Pending]:
+        """Fill ``output`` (``n * shard.numel()`` elements) with the ``shard`` of every rank of the group in
+        rank order: ``over="job"`` the job's group (n = world size), ``"secondary"`` this rank's
+        node-local secondary group (see [Note: node-local secondary groups])."""
         nbytes = output.numel() * output.element_size()
         span = self.clock.span()
-        if not self.distributed:
+        sinks, inter_node = self._sinks("all_gather", output, over), self._inter_node("all_gather", nbytes, over)
+        n = self.group_size(over)
+        if n == 1:
             if output.data_ptr() != shard.data_ptr():  # one rank whose shard is the output already
                 output.copy_(shard)
-            return self._finish(Pending(self, None, span, self._sinks("all_gather", output), nbytes, None), async_op)
-        way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0])
+            return self._finish(Pending(self, None, span, sinks, nbytes, None, inter_node), async_op)
+        group = self.secondary_group if over == "secondary" else self.group
+        way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0]) if over == "job" else ALL_GATHER_WAYS[0]
         if way == "all_gather_list":
-            work = dist.all_gather(list(output.chunk(self.world_size)), shard, group=self.group, async_op=True)
+            work = dist.all_gather(list(output.chunk(n)), shard, group=group, async_op=True)
         else:
-            work = dist.all_gather_single(output, shard, group=self.group, async_op=True)
-        return self._finish(Pending(self, work, span, self._sinks("all_gather", output), nbytes, None), async_op)
+            work = dist.all_gather_single(output, shard, group=group, async_op=True)
+        return self._finish(Pending(self, work, span, sinks, nbytes, None, inter_node), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Optional[Pending]:
         """Sum ``full`` over ranks and leave this rank's slice of the sum in ``output``."""
         nbytes = full.numel() * full.element_size()
         span = self.clock.span()
+        sinks = self._sinks("reduce_scatter", full, "reduce")
         if not self.distributed:
             output.copy_(full)
-            return self._finish(Pending(self, None, span, self._sinks("reduce_scatter", full), nbytes, None), async_op)
+            return self._finish(Pending(self, None, span, sinks, nbytes, None), async_op)
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
         group = self.reduce_group  # [Note: three process groups]
@@ -266,9 +356,11 @@ class Communicator:
             work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
             start = self.rank * output.numel()
             finish = lambda: output.copy_(full[start : start + output.numel()])  # noqa: E731
+            inter_node = self._inter_node("all_reduce", nbytes, "reduce")  # it moves what an all-reduce moves
         else:
             work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return self._finish(Pending(self, work, span, self._sinks("reduce_scatter", full), nbytes, finish), async_op)
+            inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
+        return self._finish(Pending(self, work, span, sinks, nbytes, finish, inter_node), async_op)
 
     @staticmethod
     def _finish(pending: Pending, async_op: bool) -> Optional[Pending]:
@@ -283,15 +375,18 @@ class Communicator:
         span, work, nbytes = self.clock.span(), None, tensor.numel() * tensor.element_size()
         if self.distributed:
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        Pending(self, work, span, self._sinks("all_reduce", tensor), nbytes, None).wait()
+        inter_node = self._inter_node("all_reduce", nbytes, "job")
+        Pending(self, work, span, self._sinks("all_reduce", tensor), nbytes, None, inter_node).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         span, work, nbytes = self.clock.span(), None, tensor.numel() * tensor.element_size()
+        inter_node = 0
         if self.distributed:
             root = dist.get_global_rank(self.group, src) if self.group else src
             work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
-        Pending(self, work, span, self._sinks("broadcast", tensor), nbytes, None).wait()
+            inter_node = nbytes if self.topology.node_of(root) != self.topology.node_of(self.global_rank) else 0
+        Pending(self, work, span, self._sinks("broadcast", tensor), nbytes, None, inter_node).wait()
         return tensor
 
     def all_gather_objects(self, obj: Any, on_check_group: bool = False) -> list:
@@ -318,6 +413,9 @@ class Communicator:
         dist.all_gather_single(everyone, mine, group=self.check_group)
         rows = everyone.view(self.world_size, len(tag)).tolist()
         self.checks += 1
+        nbytes = everyone.numel() * everyone.element_size()
+        checks = self._by_group.setdefault(("check", "check"), CollectiveStats())
+        checks.add(nbytes, 0.0, 0.0, self._inter_node("check", nbytes, "check"))  # its time is the gather's
         if before is not None:
             elapsed = time.perf_counter() - start
             self.stats[before].seconds += elapsed
@@ -357,6 +455,7 @@ class Communicator:
         self._timings.clear()
         self._stats = {kind: CollectiveStats() for kind in self.KINDS}
         self._by_size = {}
+        self._by_group = {}
         self._dtypes = {}
 
     # -- [Note: peak bandwidth] ----------------------------------------------------------------------
@@ -365,7 +464,7 @@ class Communicator:
         """Peak busbw (bytes/s) of every (kind, size) used so far and not measured yet, measured now on this
         group (a collective: every rank must call it at the same point, after running the same collectives)."""
         self.settle()  # training's waited collectives go to training's totals
-        saved = self._stats, self._by_size, self._dtypes
+        saved = self._stats, self._by_size, self._dtypes, self._by_group
         self.reset_stats()
         for kind, nbytes in sorted(saved[1]):  # the same order on every rank
             if (kind, nbytes) in self.peak_busbw:
@@ -379,7 +478,7 @@ class Communicator:
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.group)  # the slowest rank's median
             self.peak_busbw[(kind, nbytes)] = nbytes / max(float(seconds), 1e-9) * self.bus_factor(kind)
         self.reset_stats()
-        self._stats, self._by_size, self._dtypes = saved  # measuring traffic is not training traffic
+        self._stats, self._by_size, self._dtypes, self._by_group = saved  # measuring traffic is not training traffic
         return dict(self.peak_busbw)
 
     def _time(

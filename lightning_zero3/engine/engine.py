@@ -38,6 +38,7 @@ from .optim import optimizer_params, shard_optimizer
 from .residency import Residency
 from .runtime import UnitRuntime
 from .schedule import Schedule
+from .secondary import SecondaryShard, resolve_size
 from .shard import DtypePolicy, FlatGroup, ParamSlot
 from .state import full_optimizer_state, load_full_optimizer_state
 from .units import plan_units
@@ -90,6 +91,8 @@ class Zero3Engine:
 
         self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
         self.comm.open_side_groups(self.config.timeout)  # see [Note: three process groups] in comm.py
+        self.secondary_size: Optional[int] = None  # the groups secondary shards are kept in (secondary.py)
+        resolve_size(self.config.secondary_shard_size, self.comm)  # a bad value fails before any unit is built
         if self.config.tune_collectives:
             # before any group exists: the tuning buffers are not stacked on top of the shards
             self.comm.tune(_collective_sizes(self.plan, dtypes, self.comm.world_size), self.device)
@@ -128,6 +131,7 @@ class Zero3Engine:
                 self.slots[id(slot.param)] = slot
                 self._slot_of_shard[id(slot.shard_param)] = (runtime.group, slot)
                 setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
+        self._route_gathers(self.config)
         cfg = self.config
         self.order_check = OrderCheck([rt.group for rt in self.runtimes], self.comm)
         for runtime in self.runtimes:
@@ -183,6 +187,28 @@ class Zero3Engine:
         self.hooks.queue.bucket_numel = config.reduce_bucket_size
         self.hooks.queue.overlap = config.overlap_comm
         self.residency.setting = parse_budget(config.inference_memory_budget)
+        self._route_gathers(config)
+
+    def _route_gathers(self, config: Zero3Config) -> None:
+        """Secondary shards and int8 gathers as ``config`` asks (see [Note: gather routes] in gather.py);
+        a change of ``secondary_shard_size`` between runs re-creates the groups (a collective)."""
+        size = resolve_size(config.secondary_shard_size, self.comm)
+        if size != self.secondary_size:
+            for runtime in self.runtimes:
+                runtime.group.drop_secondary()
+                runtime.group.secondary = None
+            self.comm.close_secondary_groups()
+            self.comm.open_secondary_groups(size or 1, config.timeout)
+            self.secondary_size = size
+            for runtime in self.runtimes:
+                group = runtime.group
+                if size and not group.persistent:
+                    index = self.comm.rank % size
+                    group.secondary = SecondaryShard(
+                        group.full.numel(), size, index, group.compute_dtype, self.device, self.ledger
+                    )
+        for runtime in self.runtimes:
+            runtime.group.quantized = config.quantize_gathers == "int8" and not runtime.group.persistent
 
     def _start_offload(self) -> Optional[Offload]:
         """The offload tiers, after checking (NVMe) that the swap folder has room for every shard."""
@@ -234,9 +260,10 @@ class Zero3Engine:
 
     def _refresh_after_step(self, groups: list[FlatGroup]):
         def hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-            # Shards changed: any full copy that is alive right now (persistent parameters, a root
-            # whose forward is still running in manual optimization) is gathered anew.
+            # Shards changed: secondary shards go, and any full copy that is alive right now (persistent
+            # parameters, a root whose forward is still running in manual optimization) is gathered anew.
             for group in groups:
+                group.drop_secondary()
                 if group.gathered:
                     group.gather(force=True)
             self.note_optimizer_state()
@@ -428,8 +455,9 @@ class Zero3Engine:
         self.after_states_loaded()
 
     def refresh_gathered(self) -> None:
-        """The shards changed under the model: full copies alive right now are gathered anew."""
+        """The shards changed under the model: secondary shards go, full copies alive right now are gathered anew."""
         for runtime in self.runtimes:
+            runtime.group.drop_secondary()
             if runtime.group.gathered:
                 runtime.group.gather(force=True)
 
@@ -443,7 +471,10 @@ class Zero3Engine:
         """Bytes this rank holds now, by category of the byte ledger (``memory.py``), and peaks since the
         engine was created (its ``setup``), through every phase of the run until now: initialisation,
         training steps, evaluation, checkpoint save and load, teardown. ``peak_total`` is the highest sum of
-        the in-memory categories at any moment; ``peak_<category>`` the highest of each."""
+        the in-memory categories at any moment; ``peak_<category>`` the highest of each. With
+        ``secondary_shard_size`` = s, ``secondary_shards`` holds 1/s of each unit released after its forward
+        until its backward is over: at its peak, between forward and backward, about 1/s of the units'
+        gathered bytes (see [Note: secondary shards] in secondary.py)."""
         self.note_optimizer_state()
         report = dict(self.ledger.held)
         report["peak_gathered_params"] = self.ledger.peak_gathered

@@ -206,6 +206,8 @@ class HookManager:
                 self._register_pre_backward(runtime, needing)
                 if needing and runtime is not self.root and self.schedule.keep_for_backward(runtime):
                     runtime.backward_hold = True  # re-used right away by backward: do not release
+                if needing:
+                    runtime.group.keep_secondary_on_release()  # [Note: secondary shards] in secondary.py
             runtime.maybe_release()
 
         return hook

@@ -51,11 +51,13 @@ GRAD_SHARDS = "grad_shards"  # this rank's 1/N of every gradient, in the shard d
 OPTIMIZER_STATE = "optimizer_state"  # the optimizers' state tensors in memory (Adam's moments, ...)
 PERSISTENT_PARAMS = "persistent_params"  # whole copies of the small parameters every rank keeps
 GATHERED_PARAMS = "gathered_params"  # full parameters of units gathered right now
+SECONDARY_SHARDS = "secondary_shards"  # node-local copies kept from forward for backward (see secondary.py)
 STAGING = "staging_buffers"  # reused transient buffers: packed gradients, collective landing zones
 OFFLOAD_HOST = "offload_host"  # host-memory tier of offload: master / gradient shards, staging buffers
 OFFLOAD_NVME = "offload_nvme"  # bytes of swap files on the NVMe tier (on disk, not in memory)
 CATEGORIES = (
-    PARAM_SHARDS, GRAD_SHARDS, OPTIMIZER_STATE, PERSISTENT_PARAMS, GATHERED_PARAMS, STAGING, OFFLOAD_HOST, OFFLOAD_NVME
+    PARAM_SHARDS, GRAD_SHARDS, OPTIMIZER_STATE, PERSISTENT_PARAMS, GATHERED_PARAMS, SECONDARY_SHARDS, STAGING,
+    OFFLOAD_HOST, OFFLOAD_NVME,
 )  # fmt: skip
 IN_MEMORY = tuple(c for c in CATEGORIES if c != OFFLOAD_NVME)
 

@@ -73,7 +73,8 @@ class UnitRuntime:
         return self.grads_ready >= len(self.group.trainable_slots)
 
     def end_backward(self) -> bool:
-        """Mark its backward over; False if it already was."""
+        """Mark its backward over (its secondary shard, if any, goes); False if it already was."""
+        self.group.drop_secondary()
         if self.backward_over:
             return False
         self.backward_over = True

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from .comm import Communicator, Pending
+from .comm import Communicator
+from .gather import Then, issue, route_of
 from .memory import (
     GATHERED_PARAMS,
     GRAD_SHARDS,
@@ -44,6 +45,7 @@ from .released import mark_gathered, mark_released
 if TYPE_CHECKING:
     from .materialize import Materializer
     from .offload import Offload, ParamSource, GroupStore
+    from .secondary import SecondaryShard
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,12 @@ class FlatGroup:
         self.gathers = 0  # all-gathers issued into ``full`` (for tests and the residency profile)
         self.landing: Optional[torch.Tensor] = None  # where this backward's gradients land (land_gradients)
         self.arrived: set[int] = set()  # parameters autograd gave a gradient in this backward
-        self.pending: Optional[Pending] = None  # an all-gather in flight into ``full``
+        self.pending: Optional[Then] = None  # an all-gather in flight into ``full`` (see gather.py)
         # agrees with every rank on each all-gather before it is issued (set by the engine; see agreement.py)
         self.check: Optional[Callable[[Sequence["FlatGroup"]], None]] = None
-        self._source: Optional[torch.Tensor] = None  # what it reads, kept alive until it completes
+        # how its all-gathers travel, set by the engine (see [Note: gather routes] in gather.py)
+        self.quantized = False  # int8 blocks on the primary route
+        self.secondary: Optional["SecondaryShard"] = None  # node-local copy for backward (secondary.py)
         self.source: Optional["ParamSource"] = None
         if offload is not None and self.store is not None:
             from .offload import ShardView
@@ -211,24 +215,16 @@ class FlatGroup:
             return
         if not checked:
             self._agree([self])
-        self.gathers += 1
-        self._begin_fill()
-        with torch.no_grad():
-            shard = self.gather_input()
-            if self.compute_dtype == self.dtype:
-                self._source = shard
-            else:
-                self._source = self.pool.take(shard.numel(), self.compute_dtype, shard.device)
-                self._source.copy_(shard)
-            self.pending = self.comm.all_gather(self.full, self._source, async_op=True)
+        issue([self])
 
     def gather_input(self) -> torch.Tensor:
         """The device shard, valid for an all-gather (under offload: refilled from its tier)."""
         return self.shard if self.source is None else self.source.fill()
 
     def prefetch_input(self) -> None:
-        """Start reading the parameter shard from its tier ahead of use (NVMe parameters)."""
-        if self.source is not None:
+        """Start reading the parameter shard from its tier ahead of use (NVMe parameters); not needed
+        while the next gather reads the secondary shard."""
+        if self.source is not None and route_of(self).over == "job":
             self.source.prefetch()
 
     def _after_gather(self) -> None:
@@ -250,9 +246,7 @@ class FlatGroup:
                 return
             self.start_gather(force)
         self.pending.wait()
-        if self._source is not None and self._source is not self.shard and not isinstance(self.pending, _Then):
-            self.pool.give(self._source)
-        self.pending = self._source = None
+        self.pending = None
         self._after_gather()
         for slot in self.slots:
             mark_gathered(slot.param, slot.original_class)
@@ -317,6 +311,8 @@ class FlatGroup:
             self.gather()  # a buffer may not be freed under a collective still writing into it
         if not self.gathered:
             return
+        if self.secondary is not None and self.secondary.wanted:
+            self.secondary.keep(self.full)  # [Note: secondary shards] in secondary.py
         for slot in self.slots:
             mark_released(slot.param, slot.original_class)
         release(self.full)
@@ -330,6 +326,7 @@ class FlatGroup:
         lower compute dtype the shard receives the gathered (rounded) values.
         """
         assert self.gathered, "write_back needs the group gathered"
+        self.drop_secondary()  # the shards change
         with torch.no_grad():
             if src is not None:
                 self.comm.broadcast(self.full, src=src)
@@ -337,8 +334,19 @@ class FlatGroup:
             master = self.master if self.store is None else self.store.require_resident("writing weights back")
             master.copy_(self.full[start : start + self.shard_numel])
 
+    def keep_secondary_on_release(self) -> None:
+        """Its backward will gather it again: keep its secondary shard when it is released (if it has one)."""
+        if self.secondary is not None:
+            self.secondary.wanted = True
+
+    def drop_secondary(self) -> None:
+        """Its backward is over, or its shards change: the secondary shard goes (if it has one)."""
+        if self.secondary is not None:
+            self.secondary.drop()
+
     def unshard(self) -> None:
         """Turn the parameters back into ordinary, independent full tensors in the master dtype (at teardown)."""
+        self.drop_secondary()
         with self.gathered_master() as master:
             for slot in self.slots:
                 mark_gathered(slot.param, slot.original_class)
@@ -406,7 +414,8 @@ class FlatGroup:
 def start_gathers(groups: list[FlatGroup], coalesce_below: int) -> None:
     """Issue the all-gathers of ``groups`` (in this order, the same on every rank) without waiting.
 
-    Groups smaller than ``coalesce_below`` elements share one all-gather.
+    Groups smaller than ``coalesce_below`` elements share one all-gather (one per route, see
+    [Note: gather routes] in gather.py).
 
     [Note: coalesced all-gather]
     An all-gather concatenates the ranks' inputs rank by rank. Each rank sends its shards of several
@@ -417,53 +426,13 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int) -> None:
     waiting = list(dict.fromkeys(g for g in groups if g.pending is None and not g.gathered))
     if waiting:
         waiting[0]._agree(waiting)  # one check for the unit and its prefetches
-    small = [g for g in waiting if g.full.numel() < coalesce_below]
+    together: dict = {}  # route -> the small groups gathered on it, in order
     for group in waiting:
-        if group not in small or len(small) == 1:
-            group.start_gather(checked=True)
-        elif group is small[0]:
-            _start_coalesced(small)
-
-
-def _start_coalesced(groups: list[FlatGroup]) -> None:
-    comm, world, pool = groups[0].comm, groups[0].comm.world_size, groups[0].pool
-    widths = [g.shard_numel for g in groups]
-    dtype, device = groups[0].compute_dtype, groups[0].shard.device
-    with torch.no_grad():
-        source = pool.take(sum(widths), dtype, device)
-        offset = 0
-        for group, width in zip(groups, widths):
-            source[offset : offset + width].copy_(group.gather_input())
-            group._after_gather()  # the concatenated copy is what the collective reads
-            offset += width
-        landing = pool.take(world * sum(widths), dtype, device)
-        pending = comm.all_gather(landing, source, async_op=True)
-
-    def scatter_columns() -> None:
-        offset = 0
-        rows = landing.view(world, sum(widths))
-        for group, width in zip(groups, widths):
-            group.full.view(world, width).copy_(rows[:, offset : offset + width])
-            offset += width
-        pool.give(landing)
-        pool.give(source)
-
-    shared = _Then(pending, scatter_columns)
-    for group in groups:
-        group.gathers += 1
-        group._begin_fill()
-        group.pending, group._source = shared, source
-
-
-class _Then:
-    """A pending collective followed, once, by a finishing step (shared by the groups it serves)."""
-
-    def __init__(self, pending: Pending, then) -> None:
-        self._pending, self._then, self.done = pending, then, False
-
-    def wait(self) -> None:
-        if not self.done:
-            self._pending.wait()
-            with torch.no_grad():
-                self._then()
-            self.done = True
+        if group.full.numel() < coalesce_below:
+            together.setdefault(route_of(group), []).append(group)
+    for group in waiting:
+        batch = together.get(route_of(group), [])
+        if group not in batch:
+            issue([group])
+        elif group is batch[0]:
+            issue(batch)

@@ -80,15 +80,20 @@ class RecordingGPT(GPTModule):
         return loss
 
 
-def fit(strategy, nodes: int, devices: int, ckpt_dir: Path | None = None, ckpt_path: Path | None = None):
-    """Two epochs; with ``ckpt_dir``, a checkpoint at each epoch's end; from ``ckpt_path`` if given."""
+def fit(
+    strategy, nodes: int, devices: int, ckpt_dir: Path | None = None, ckpt_path: Path | None = None,
+    callbacks: list | None = None, **trainer_flags,
+):  # fmt: skip
+    """Two epochs; with ``ckpt_dir``, a checkpoint at each epoch's end; from ``ckpt_path`` if given;
+    ``callbacks`` and ``trainer_flags`` (a logger, ...) go to the Trainer."""
     pl.seed_everything(0)
     model = RecordingGPT()
     every_epoch = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_epochs=1, save_top_k=-1)
-    callbacks = [every_epoch] if ckpt_dir else []
+    callbacks = ([every_epoch] if ckpt_dir else []) + (callbacks or [])
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", num_nodes=nodes, devices=devices, max_epochs=2, logger=False,
+        strategy=strategy, accelerator="cpu", num_nodes=nodes, devices=devices, max_epochs=2,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir),
+        **{"logger": False, **trainer_flags},
     )  # fmt: skip
     loader = DataLoader(indexed_data(), batch_size=GLOBAL_BATCH // (nodes * devices))
     trainer.fit(model, loader, ckpt_path=ckpt_path)
