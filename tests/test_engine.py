@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -364,3 +368,42 @@ def test_small_units_gathers_are_coalesced():
     together = run_ranks(_bucket_case, 2, 3_000)[0]["all_gathers"]
     # after the recorded first step each layer starts with its prefetched successors in one collective
     assert together < alone
+
+
+_HEAP_PROBE = """
+import ctypes, sys
+import torch
+from torch import nn
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Mallinfo2
+freed = torch.ones(8 << 20, dtype=torch.uint8)  # a mapped block freed: glibc raises its threshold to 8 MiB
+del freed
+if sys.argv[1] == "engine":
+    from lightning_zero3 import Zero3Engine
+    Zero3Engine(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+before = libc.mallinfo2().hblkhd
+temporary = torch.ones(6 << 20, dtype=torch.uint8)  # a gradient-sized temporary
+print(libc.mallinfo2().hblkhd - before >= 6 << 20)
+"""
+
+
+@pytest.mark.parametrize(
+    "engine, env, mapped",
+    [("none", {}, False), ("engine", {}, True), ("engine", {"MALLOC_MMAP_THRESHOLD_": str(16 << 20)}, False)],
+)
+def test_a_cpu_engine_keeps_large_host_temporaries_out_of_the_heap(engine, env, mapped):
+    """[Note: large temporaries are mapped]: glibc alone serves a 6 MiB temporary from its heap once an
+    8 MiB block was freed; after a CPU engine exists it is a map of its own (returned to the kernel when
+    freed), unless the user set the threshold themselves."""
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("needs glibc 2.33+ (mallinfo2)")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    done = subprocess.run([sys.executable, "-c", _HEAP_PROBE, engine], env={**base, **env}, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(mapped)

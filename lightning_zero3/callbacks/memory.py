@@ -29,8 +29,9 @@ _HOW = {
     ),
     "cpu": (
         "lower `max_live_parameters` / `prefetch_bucket_size` (fewer gathered buffers of different sizes alive "
-        "at once), or set MALLOC_MMAP_THRESHOLD_ below the smallest unit's bytes so glibc maps gathered "
-        "buffers directly and returns them to the OS when they are released"
+        "at once), or set MALLOC_MMAP_THRESHOLD_ (bytes; zero3 sets 4 MiB unless you do) below the size of your "
+        "own code's large host tensors (activations, batches) so glibc maps them and returns them to the OS "
+        "when they are freed"
     ),
 }
 

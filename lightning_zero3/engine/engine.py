@@ -30,8 +30,8 @@ from .grads import ReductionQueue
 from .hooks import HookManager
 from .materialize import InitFn, Materializer, has_meta_tensors
 from .memory import (
-    GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, drop_pages, optimizer_state_bytes, resident_bytes,
-    return_free_heap,
+    GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, drop_pages, map_large_temporaries,
+    optimizer_state_bytes, resident_bytes, return_free_heap,
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
 from .optim import optimizer_params, shard_optimizer
@@ -85,6 +85,8 @@ class Zero3Engine:
         if device is None and meta:
             raise ValueError("zero3: the model is on the meta device; pass `device=` to build its shards on.")
         self.device = device or (first.device if first is not None else torch.device("cpu"))
+        if self.device.type == "cpu":
+            map_large_temporaries()  # [Note: large temporaries are mapped] in memory.py
         materializer = Materializer(module, self.device, init_fn, self.comm.rank == 0) if meta else None
         if self.config.sync_module_states or meta:
             self._broadcast_buffers()

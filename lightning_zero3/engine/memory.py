@@ -244,14 +244,7 @@ def _is_file_mapped(storage: torch.UntypedStorage) -> bool:
 
 
 class BufferPool:
-    """Transient buffers reused by size (see [Note: huge pages stay inside their buffer]
-The kernel merges neighbouring anonymous mappings with the same settings into one region, and a huge
-page fault fills a whole 2 MiB block of that region: writing one buffer would then bring in zeroed pages
-of its released neighbours, and the resident set would exceed the ledger. Each mapping therefore ends
-in a guard page with the opposite huge-page setting, so no two buffers share a region and a huge page
-only ever covers pages of the buffer being written.
-
-[Note: reused staging buffers]), counted under ``category``.
+    """Transient buffers reused by size (see [Note: reused staging buffers]), counted under ``category``.
 
     ``take`` returns a buffer of exactly ``numel`` elements (zeroed when asked), ``give`` takes it back.
     ``keep_bytes`` bounds what idle buffers may hold: beyond it a returned buffer is dropped (and, being
@@ -301,6 +294,31 @@ only ever covers pages of the buffer being written.
                 self.ledger.remove(self.category, buffer.numel() * buffer.element_size())
         self.idle = {}
         self.idle_bytes = 0
+
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
+HEAP_MMAP_THRESHOLD = 4 << 20  # host temporaries at or above this size are maps of their own
+
+
+def map_large_temporaries() -> None:
+    """Fix glibc's mmap threshold at ``HEAP_MMAP_THRESHOLD`` for this process, unless the user set
+    ``MALLOC_MMAP_THRESHOLD_`` (then theirs stands). Once per process; host (CPU) training only.
+
+    [Note: large temporaries are mapped]
+    glibc serves an allocation at or above its mmap threshold (128 KiB at start) with a map of its own,
+    unmapped when freed; but it raises the threshold to the size of every mapped block that is freed (up
+    to 32 MiB). Autograd computes each weight's gradient into a new tensor, adds it into the unit's
+    landing buffer (see [Note: gradients land in a pooled buffer] in shard.py) and frees it: after the
+    first such multi-MB block is freed, the later ones come from the heap, and the heap held their freed
+    space resident. Measured through backward of a 32-block GPT (768 wide, gradients of 7-9 MB): the
+    heap grew to 1.17 GB of which 1.02 GB free, the process peaked at 1434 MiB against 936 MiB with the
+    threshold fixed, for the same step time. ``mallopt`` fixes the threshold (and turns off its
+    adjustment), so every host temporary of 4 MiB or more is a map that goes back to the kernel when it
+    is freed; smaller ones use the heap as before. The setting is process-wide: the user's own large host
+    tensors are mapped too (they fault fresh pages in on first use instead of reusing heap pages)."""
+    if _LIBC is None or not hasattr(_LIBC, "mallopt") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    _LIBC.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
 
 
 def return_free_heap() -> None:
