@@ -9,8 +9,8 @@
 With ``--nodes N`` every run is N torchrun agents on this host meeting at a c10d rendezvous, each starting
 ``--devices`` ranks (``examples/nodes.py``), the Trainer gets ``num_nodes=N``, and the table adds the bytes
 one rank receives from other nodes per step. The strategies then default to zero3, zero3 with secondary
-shards (``zero3_hpz``: ``secondary_shard_size="node"``), zero3 with int8 gathers (``zero3_int8``), DDP, and
-FSDP2 as HSDP (``fully_shard`` over a 2-D (replicate, shard) mesh: replicas across nodes, shards inside one).
+shards (``zero3_hpz``: ``secondary_shard_size="node"``), zero3 with int8 gathers (``zero3_int8``), both
+(``zero3_hpz_int8``), DDP, and FSDP2 as HSDP (``fully_shard`` over a 2-D (replicate, shard) mesh: replicas across nodes, shards inside one).
 
 Every strategy trains the same GPT on the same data for the same steps, with the same seed; the runs
 alternate between strategies (A B C D, B C D A, ...) so that drift of the machine hits all alike. Each
@@ -22,7 +22,7 @@ run is a fresh set of processes:
   (Lightning's DeepSpeed strategy refuses CPUs); it is reported as skipped when DeepSpeed is missing.
 
 The table: median step time (the warm-up steps excluded) and tokens/s, the ratio to DDP, the highest
-per-rank peak resident memory (the OS's ``ru_maxrss``), per-rank model-state bytes (parameters +
+per-rank peak resident memory (the kernel's ``VmHWM``), per-rank model-state bytes (parameters +
 gradients + optimizer state held at the optimizer step), zero3's exposed communication (time the
 compute side waited for collectives, as a share of the step), and the largest relative difference of
 each strategy's per-step losses from DDP's. ``--json`` writes the same figures.
@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,9 +43,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from processes import free_port, peak_rss  # noqa: E402
+
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_hpz", "zero3_int8", "zero3_hpz_int8")
 ONE_NODE = "zero3,ddp,fsdp2,deepspeed"
-SEVERAL_NODES = "zero3,zero3_hpz,zero3_int8,ddp,fsdp2"
+SEVERAL_NODES = "zero3,zero3_hpz,zero3_int8,zero3_hpz_int8,ddp,fsdp2"
 # zero3's variants: the settings each adds to ``--zero3``
 ZERO3_VARIANTS = {
     "zero3": {},
@@ -132,7 +132,7 @@ def launch(strategy: str, args: argparse.Namespace) -> dict | str:
 
             code, output = run_as_nodes(worker, args.nodes, args.devices, env, timeout=3600)
         elif strategy == "deepspeed":
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.devices}",
                    f"--master-port={port}", *worker]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -260,10 +260,6 @@ def zero3_knobs(text: str) -> dict:
     return knobs
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def tensor_bytes(tensors) -> int:
     total = 0
     for t in tensors:
@@ -285,7 +281,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     import lightning_zero3
-    from gpt import GPTModule
+    from gpt import GPTModule, apply_fsdp2
     from nodes import CrossNodeCounter
 
     # bytes from other nodes, counted inside torch.distributed's collectives (see nodes.py), timed steps only
@@ -295,15 +291,12 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
         def configure_model(self):
             if isinstance(self.trainer.strategy, ModelParallelStrategy):  # FSDP2: one unit per block
                 from torch.distributed.device_mesh import init_device_mesh
-                from torch.distributed.fsdp import fully_shard
 
                 mesh = self.device_mesh["data_parallel"]
                 if args.nodes > 1:  # HSDP: replicas across nodes, shards within a node
                     shape, names = (args.nodes, args.devices), ("replicate", "shard")
                     mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
-                for block in self.model.blocks:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self.model, mesh=mesh)
+                apply_fsdp2(self.model, mesh)
 
     class Probe(pl.Callback):
         def __init__(self) -> None:
@@ -381,7 +374,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
     if probe.comm_at_warmup is not None:
         exposed = (probe.comm_at_end - probe.comm_at_warmup) / len(probe.step_times)
     device = trainer.strategy.root_device  # an NCCL group reduces device tensors only
-    rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=device)
+    rss = torch.tensor([peak_rss()], dtype=torch.float64, device=device)
     state = torch.tensor([probe.model_state], dtype=torch.float64, device=device)
     rss, state = (trainer.strategy.reduce(t, reduce_op="max") for t in (rss, state))
     extra = {}
@@ -442,7 +435,7 @@ def deepspeed_worker(args: argparse.Namespace) -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
-    figures = torch.tensor([peak_rss_bytes(), state], dtype=torch.float64)
+    figures = torch.tensor([peak_rss(), state], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     if rank == 0:
         write_result(args, step_times, losses, int(figures[0]), int(figures[1]), None)
@@ -469,12 +462,6 @@ def _deepspeed_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("deepspeed") is not None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

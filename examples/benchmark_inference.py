@@ -238,8 +238,6 @@ def measure_disk(folder: Path, nbytes: int = 1 << 30) -> dict:
 # the workers
 
 
-
-
 def prompts(count: int, length: int, vocab: int, seed: int):
     import torch
 

@@ -164,8 +164,6 @@ def table(summary: dict, args) -> str:
 # the workers: one strategy, one process per rank (Lightning's launcher starts the others)
 
 
-
-
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch

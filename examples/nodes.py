@@ -20,7 +20,6 @@ from __future__ import annotations
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,18 +28,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from lightning_zero3.engine.topology import Topology, inter_node_bytes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from processes import free_port
 
 
 def run_as_nodes(script_args: Sequence[str], nodes: int, per_node: int, env: dict, timeout: float) -> tuple[int, str]:
     """Run ``python script_args`` as ``nodes`` torchrun agents of ``per_node`` ranks each; returns (exit code,
     the tail of the output). A failing agent, or the deadline, ends the others."""
-    endpoint, run_id = f"127.0.0.1:{_free_port()}", f"bench-{os.getpid()}-{time.monotonic_ns()}"
+    endpoint, run_id = f"127.0.0.1:{free_port()}", f"bench-{os.getpid()}-{time.monotonic_ns()}"
     agents = []
     for node in range(nodes):
         command = [
