@@ -13,9 +13,9 @@ The first predict batch is the warm-up (and zero3's profile calls); the second i
 Part 2, one process, a model of 129M parameters (516 MB of fp32 weights) with its cold units on NVMe
 (``offload_params="nvme"``): budgets of 25%, 50% and 75% of the weights stay resident, the rest is read
 from the swap files for every forward call. Per row: tokens/s, the bytes read from disk per generated
-token, the disk's own sequential read bandwidth measured in the same run (a 1 GB file read cold with the
-same request size), and the ratio of tokens/s to the bound that bandwidth sets (bandwidth / bytes per
-token). The peer row is Hugging Face accelerate's big-model inference with the same budget as
+token, the disk's own sequential read bandwidth measured right before each run (a 1 GB file read cold
+through the same calls: it drifts by up to 2x on this machine), and the ratio of tokens/s to the bound
+that bandwidth sets (bandwidth / bytes per token). The peer row is Hugging Face accelerate's big-model inference with the same budget as
 ``max_memory`` and the rest in an ``offload_folder``. Page cache: zero3 drops what it read from the swap
 files after every read; for accelerate the offload folder is dropped from the page cache before every
 forward call, so both read from the disk.
@@ -74,14 +74,20 @@ def model_config(layers: int, hidden: int, vocab: int = 8192):
 def main(args: argparse.Namespace) -> dict:
     rows: dict[str, list] = {}
     parts = [PART1] + ([PART2] if args.nvme_layers else [])
-    disk = measure_disk(Path(args.nvme_path)) if args.nvme_layers else None
+    disks: list[float] = []  # the disk's read bandwidth, measured right before each part 2 run (it drifts)
     for part in parts:
         for run in range(args.runs):
             for name in part[run % len(part) :] + part[: run % len(part)]:
+                disk = measure_disk(Path(args.nvme_path))["read_GBps"] if part is PART2 else None
                 outcome = launch(name, args)
+                if disk is not None:
+                    disks.append(disk)
+                    if isinstance(outcome, dict):
+                        outcome["disk_GBps"] = disk
                 print(f"run {run + 1}/{args.runs} {name}: {outcome if isinstance(outcome, str) else _short(outcome)}",
                       flush=True)  # fmt: skip
                 rows.setdefault(name, []).append(outcome)
+    disk = {"read_GBps": statistics.median(disks), "min_GBps": min(disks), "max_GBps": max(disks)} if disks else None
     summary = summarize(rows, disk, args)
     print()
     print(table(summary, args))
@@ -125,6 +131,12 @@ def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:
             continue
         row = {key: statistics.median(r[key] for r in good) for key in ("tokens_per_s", "bytes_read_per_token")
                if all(r.get(key) is not None for r in good)}  # fmt: skip
+        if all(r.get("bytes_read_per_token") and r.get("disk_GBps") for r in good):
+            # each run against the disk as measured just before it
+            row["bound_tokens_per_s"] = statistics.median(r["disk_GBps"] * 1e9 / r["bytes_read_per_token"] for r in good)
+            row["x_bound"] = statistics.median(
+                r["tokens_per_s"] * r["bytes_read_per_token"] / (r["disk_GBps"] * 1e9) for r in good
+            )
         row["tokens"] = good[0]["tokens"]
         row["budget_bytes"] = good[0].get("budget_bytes")
         row["model_bytes"] = good[0]["model_bytes"]
@@ -140,9 +152,6 @@ def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:
             row["x_ddp"] = row["tokens_per_s"] / ddp
         if name in PART1 and zero:
             row["x_zero_budget"] = row["tokens_per_s"] / zero
-        if disk and row.get("bytes_read_per_token"):
-            row["bound_tokens_per_s"] = disk["read_GBps"] * 1e9 / row["bytes_read_per_token"]
-            row["x_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
         peer = table_rows.get(name.replace("zero3_nvme", "accelerate"), {}).get("tokens_per_s")
         if name.startswith("zero3_nvme") and peer:
             row["x_accelerate"] = row["tokens_per_s"] / peer
@@ -181,7 +190,9 @@ def table(summary: dict, args) -> str:
         disk = summary["disk"]
         lines.append("")
         lines.append(f"Part 2: one process, cold units on NVMe, batch {args.nvme_batch}, {args.nvme_new_tokens} new tokens; "
-                     f"the disk reads {disk['read_GBps']:.2f} GB/s cold (same run)")  # fmt: skip
+                     f"the disk reads {disk['read_GBps']:.2f} GB/s cold (median of {args.runs * len(PART2)} "
+                     f"measurements, one right before each run: {disk['min_GBps']:.2f}-{disk['max_GBps']:.2f}); "
+                     f"x bound: each run against the disk measured before it")  # fmt: skip
         head = ("row", "budget", "tokens/s", "MB read/token", "bound tokens/s", "x bound", "x accelerate", "peak RSS MiB")
 
         def part2(name: str, row: dict) -> tuple:

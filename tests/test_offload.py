@@ -25,9 +25,10 @@ from lightning_zero3 import Zero3Config, Zero3ConfigError, Zero3Engine, Zero3Str
 from late_copies import LateCopies, LateTicket
 from lightning_zero3.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from lightning_zero3.checkpoint.full import save_full_checkpoint
-from lightning_zero3.engine.memory import OFFLOAD_HOST
+from lightning_zero3.engine.memory import OFFLOAD_HOST, host_buffer
 from lightning_zero3.engine.offload import NvmePathError, SwapDiskFullError, resources
 from lightning_zero3.engine.offload import aio as aio_module
+from lightning_zero3.engine.offload.swapdir import SwapDirectory
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=64)
 # Offload steps Adam with torch's fused CPU kernel (1 ulp from the loop the reference runs): weights
@@ -280,6 +281,64 @@ def test_a_full_disk_during_training_is_a_clear_error_and_leaves_the_checkpoint_
     assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == digest
     restored = torch.load(checkpoint)
     assert restored["weights"].keys() == model.state_dict(keep_vars=True).keys()
+
+
+def _direct_reads(monkeypatch) -> list[tuple[int, int]]:
+    """(descriptor, bytes) of every read that ``aio`` issues, recorded as they happen."""
+    seen, preadv = [], os.preadv
+
+    def recorded(fd, buffers, offset):
+        got = preadv(fd, buffers, offset)
+        seen.append((fd, got))
+        return got
+
+    monkeypatch.setattr(aio_module.os, "preadv", recorded)
+    return seen
+
+
+def test_swap_reads_bypass_the_page_cache_for_aligned_blocks_and_see_fresh_writes(tmp_path, monkeypatch):
+    """[Note: direct reads] in aio.py: a page-aligned host buffer is read through the O_DIRECT descriptor
+    for its whole 4 KiB blocks and through the cache for the rest; the data is what was just written
+    through the buffered descriptor (no fsync in between); an unaligned target reads through the cache."""
+    swap_dir = SwapDirectory(str(tmp_path), rank=0)
+    numel = 3 * 1024 * 1024 + 5  # 12 MiB and 20 bytes: a tail that is not a whole block
+    swap = swap_dir.create("probe", numel * 4)
+    if swap.direct_fd is None:
+        pytest.skip(f"the file system under {tmp_path} refuses O_DIRECT")
+    written = torch.randn(numel)
+    aio_module.write_range(swap, written, 0)
+    seen = _direct_reads(monkeypatch)
+    target = host_buffer(numel, torch.float32)
+    aio_module.read_range(swap, target, 0)
+    assert torch.equal(target, written)
+    assert sum(n for fd, n in seen if fd == swap.direct_fd) == numel * 4 // 4096 * 4096
+    assert sum(n for fd, n in seen if fd == swap.fd) == numel * 4 % 4096
+    seen.clear()
+    unaligned = host_buffer(numel + 1, torch.float32)[1:]
+    aio_module.read_range(swap, unaligned, 0)
+    assert torch.equal(unaligned, written) and {fd for fd, _ in seen} == {swap.fd}
+    swap_dir.remove()
+
+
+def test_a_file_system_that_refuses_direct_reads_falls_back_to_the_cache(tmp_path, monkeypatch):
+    swap_dir = SwapDirectory(str(tmp_path), rank=0)
+    swap = swap_dir.create("probe", 1 << 20)
+    if swap.direct_fd is None:
+        pytest.skip(f"the file system under {tmp_path} refuses O_DIRECT")
+    written = torch.randn((1 << 20) // 4)
+    aio_module.write_range(swap, written, 0)
+    direct, preadv = swap.direct_fd, os.preadv
+
+    def refusing(fd, buffers, offset):
+        if fd == direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(aio_module.os, "preadv", refusing)
+    target = host_buffer(written.numel(), torch.float32)
+    aio_module.read_range(swap, target, 0)
+    assert torch.equal(target, written) and swap.direct_fd is None
+    swap_dir.remove()
 
 
 # -- configuration and registration -------------------------------------------------------------------

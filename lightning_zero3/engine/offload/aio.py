@@ -5,9 +5,23 @@ copies, so disk transfers proceed while the main thread computes (or steps the o
 request is cut into pieces of at most ``chunk_bytes``. A request returns a ``concurrent.futures.Future``;
 its ``result()`` re-raises a failure in the caller's thread, a full disk as ``SwapDiskFullError``.
 
-Transfers are plain buffered file I/O: no O_DIRECT (it needs aligned buffers and sizes, and gains
-little over the page cache at these request sizes); the benchmark measures the disk's sequential
-bandwidth with the same calls, so the two figures compare like with like.
+Writes are buffered file I/O. Reads bypass the page cache where they can: see [Note: direct reads]. The
+benchmarks measure the disk's sequential bandwidth with the same calls, so the figures compare like with
+like.
+
+[Note: direct reads]
+A buffered read costs the CPU a copy from the page cache into the tensor, and dropping those pages again
+afterwards (below): measured on this 2-core machine, 0.26-0.76 CPU seconds per GB read, against 0.04 s
+for the same reads with ``O_DIRECT``, where the disk writes straight into the tensor's pages (and the
+bandwidth was the same or better: 2.1-2.3 GB/s against 1.7-2.4). Streaming a model from NVMe reads
+several times its size per step (per generated token, in inference), so that CPU time competes with
+compute. So every swap file also has an ``O_DIRECT`` descriptor (where the file system allows one), and a
+read whose tensor and file offset are aligned to ``DIRECT_ALIGN`` bytes (the engine's host buffers are
+page-aligned maps, the files' pieces start at aligned offsets) reads its whole aligned blocks through it,
+and only the tail of fewer than ``DIRECT_ALIGN`` bytes through the cache. Direct reads see data written
+through the buffered descriptor: the kernel writes a range's dirty pages back before it reads that range
+directly. A file system that accepts the flag at open but refuses the reads falls back to buffered
+reads for that file.
 
 [Note: the swap files really are read]
 The kernel keeps what was read (and written) in its page cache while memory allows, so a second read of
@@ -29,6 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from .swapdir import SwapFile, disk_full
+
+DIRECT_ALIGN = 4096  # bytes: memory address, file offset and length of a direct read are multiples of it
 
 
 @dataclass
@@ -103,16 +119,37 @@ def write_range(swap: SwapFile, tensor: torch.Tensor, offset: int, chunk_bytes: 
 
 
 def read_range(swap: SwapFile, tensor: torch.Tensor, offset: int, chunk_bytes: int = 1 << 26) -> int:
-    """Fill ``tensor`` from byte ``offset`` of ``swap`` (in the calling thread); returns the bytes."""
+    """Fill ``tensor`` from byte ``offset`` of ``swap`` (in the calling thread); returns the bytes. Whole
+    aligned blocks are read directly where possible: see [Note: direct reads]."""
     view = _byte_view(tensor)
+    direct = _direct_bytes(swap, tensor, offset, len(view))
+    if direct:
+        try:
+            _read_all(swap, swap.direct_fd, view[:direct], offset, max(DIRECT_ALIGN, chunk_bytes // DIRECT_ALIGN * DIRECT_ALIGN))
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            swap.no_direct()
+            direct = 0
+    _read_all(swap, swap.fd, view[direct:], offset + direct, chunk_bytes)
+    _forget(swap, offset, len(view))
+    return len(view)
+
+
+def _direct_bytes(swap: SwapFile, tensor: torch.Tensor, offset: int, nbytes: int) -> int:
+    """How many leading bytes of a read may go through the ``O_DIRECT`` descriptor (0: none)."""
+    if swap.direct_fd is None or tensor.data_ptr() % DIRECT_ALIGN or offset % DIRECT_ALIGN:
+        return 0
+    return nbytes // DIRECT_ALIGN * DIRECT_ALIGN
+
+
+def _read_all(swap: SwapFile, fd: int, view: memoryview, offset: int, chunk_bytes: int) -> None:
     done = 0
     while done < len(view):
-        got = os.preadv(swap.fd, [view[done : done + chunk_bytes]], offset + done)
+        got = os.preadv(fd, [view[done : done + chunk_bytes]], offset + done)
         if got == 0:
             raise OSError(errno.EIO, f"zero3: swap file {swap.path} is shorter than expected (truncated?)")
         done += got
-    _forget(swap, offset, len(view))
-    return len(view)
 
 
 def _forget(swap: SwapFile, offset: int, nbytes: int) -> None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
+from typing import Optional
 
 MARKER = "lightning_zero3"
 
@@ -125,7 +126,7 @@ class SwapDirectory:
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise disk_full(self.path, nbytes, error) from error
             raise
-        swap = SwapFile(path, fd, nbytes)
+        swap = SwapFile(path, fd, nbytes, _open_direct(path))
         self.files.append(swap)
         self.reserved += nbytes
         return swap
@@ -137,11 +138,30 @@ class SwapDirectory:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+def _open_direct(path: Path) -> Optional[int]:
+    """A second, read-only descriptor of ``path`` that bypasses the page cache (``O_DIRECT``), or None where
+    the file system refuses it (tmpfs, some network file systems): see [Note: direct reads] in aio.py."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+
+
 class SwapFile:
-    def __init__(self, path: Path, fd: int, nbytes: int) -> None:
+    def __init__(self, path: Path, fd: int, nbytes: int, direct_fd: Optional[int] = None) -> None:
         self.path, self.fd, self.nbytes = path, fd, nbytes
+        self.direct_fd = direct_fd  # reads of whole aligned blocks (None: buffered reads only)
+
+    def no_direct(self) -> None:
+        """The file system accepted ``O_DIRECT`` at open but refuses it on reads: read through the cache."""
+        fd, self.direct_fd = self.direct_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
+        self.no_direct()
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
