@@ -12,7 +12,7 @@ state). Strategies: DDP, torch FSDP2 (Lightning's ``ModelParallelStrategy``, ``f
 ``zero3`` (model built in ``configure_model``: sharded initialisation), ``zero3_offload`` and
 ``zero3_offload_nvme``. No allocator variable is set: the environment a user has.
 
-Part 2, 1 rank, a GPT of 227M parameters (32 layers x 768; 3.6 GB of states at 16 bytes a parameter):
+Part 2, 1 rank, a GPT of 340M parameters (48 layers x 768; 5.4 GB of states at 16 bytes a parameter):
 ``zero3_offload_nvme`` (``offload_buffer_count=2``: two units' states in host memory at once) against
 ``zero3`` without offload, the same run, clipping and checkpoint included: the ratio of the states to
 the offloaded run's peak, and its losses against the run without offload.
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--n-layer", type=int, default=16)
     p.add_argument("--n-embd", type=int, default=768)
-    p.add_argument("--capacity-layers", type=int, default=32, help="part 2: layers of 768 (0: skip part 2)")
+    p.add_argument("--capacity-layers", type=int, default=48, help="part 2: layers of 768 (0: skip part 2)")
     p.add_argument("--nvme-path", default=tempfile.gettempdir())
     p.add_argument("--json", type=Path, default=Path("benchmark_memory.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)

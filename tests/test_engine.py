@@ -383,9 +383,10 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Mallinfo2
 freed = torch.ones(8 << 20, dtype=torch.uint8)  # a mapped block freed: glibc raises its threshold to 8 MiB
 del freed
-if sys.argv[1] == "engine":
-    from lightning_zero3 import Zero3Engine
-    Zero3Engine(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+if sys.argv[1] != "none":
+    from lightning_zero3 import Zero3Config, Zero3Engine
+    offload = {"offload_optimizer": "cpu", "offload_params": "cpu"} if sys.argv[1] == "offload" else {}
+    Zero3Engine(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), Zero3Config(**offload))
 before = libc.mallinfo2().hblkhd
 temporary = torch.ones(6 << 20, dtype=torch.uint8)  # a gradient-sized temporary
 print(libc.mallinfo2().hblkhd - before >= 6 << 20)
@@ -394,12 +395,14 @@ print(libc.mallinfo2().hblkhd - before >= 6 << 20)
 
 @pytest.mark.parametrize(
     "engine, env, mapped",
-    [("none", {}, False), ("engine", {}, True), ("engine", {"MALLOC_MMAP_THRESHOLD_": str(16 << 20)}, False)],
+    [("none", {}, False), ("engine", {}, False), ("offload", {}, True),
+     ("offload", {"MALLOC_MMAP_THRESHOLD_": str(16 << 20)}, False)],  # fmt: skip
 )
-def test_a_cpu_engine_keeps_large_host_temporaries_out_of_the_heap(engine, env, mapped):
+def test_a_cpu_offload_engine_keeps_large_host_temporaries_out_of_the_heap(engine, env, mapped):
     """[Note: large temporaries are mapped]: glibc alone serves a 6 MiB temporary from its heap once an
-    8 MiB block was freed; after a CPU engine exists it is a map of its own (returned to the kernel when
-    freed), unless the user set the threshold themselves."""
+    8 MiB block was freed; after a CPU engine with offload exists it is a map of its own (returned to the
+    kernel when freed), unless the user set the threshold themselves; an engine without offload leaves
+    glibc's policy alone."""
     if not hasattr(ctypes.CDLL(None), "mallinfo2"):
         pytest.skip("needs glibc 2.33+ (mallinfo2)")
     base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}

@@ -85,7 +85,7 @@ class Zero3Engine:
         if device is None and meta:
             raise ValueError("zero3: the model is on the meta device; pass `device=` to build its shards on.")
         self.device = device or (first.device if first is not None else torch.device("cpu"))
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.config.offload_optimizer is not None:
             map_large_temporaries()  # [Note: large temporaries are mapped] in memory.py
         materializer = Materializer(module, self.device, init_fn, self.comm.rank == 0) if meta else None
         if self.config.sync_module_states or meta:
