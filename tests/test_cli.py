@@ -17,7 +17,7 @@ from lightning_zero3.cli import build_cli, main
 from lightning_zero3.knobs import field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("gpt_*.yaml"))  # whole configs; the others are overlays
 SMALL = [  # a few steps of a small GPT on a small corpus
     "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "3",
     "--trainer.limit_val_batches", "1", "--model.init_args.cfg.n_layer", "2", "--model.init_args.cfg.n_embd", "64",
@@ -66,6 +66,17 @@ def test_print_config_round_trips(config, tmp_path, capsys):
         "lightning_zero3.callbacks.MemoryMonitor",
         "lightning_zero3.callbacks.CommMonitor",
     }
+
+
+def test_the_int8_overlay_turns_the_main_job_into_the_quality_run(capsys):
+    """README "Across nodes": the main job's config plus ``int8_gathers.yaml`` is the 300-step int8 run."""
+    configs = ROOT / "examples" / "configs"
+    printed = _cli(capsys, "fit", "--config", str(configs / "gpt_zero3.yaml"), "--config",
+                   str(configs / "int8_gathers.yaml"), "--print_config")  # fmt: skip
+    trainer = yaml.safe_load(printed)["trainer"]
+    assert trainer["max_steps"] == 300 and trainer["logger"]["init_args"]["name"] == "gpt-zero3-int8"
+    assert trainer["strategy"]["init_args"]["quantize_gathers"] == "int8"
+    assert len(trainer["callbacks"]) == 2  # the monitors stay on
 
 
 def test_strategy_settings_are_documented_in_the_cli_help(capsys):
