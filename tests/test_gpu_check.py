@@ -57,7 +57,8 @@ def test_key_bias_is_left_out_of_the_offload_weight_comparison():
 
 
 TIMING = {"pending_after_wait": 1, "alone_host_s": 0.0012, "alone_s": 0.0010, "alone_exposed_s": 0.0009,
-          "spin_s": 0.05, "overlapped_s": 0.0011, "overlapped_exposed_s": 0.00001, "peak_busbw": 2e12}  # fmt: skip
+          "spin_s": 0.05, "overlapped_s": 0.0011, "overlapped_exposed_s": 0.00001, "peak_busbw": 2e12,
+          "inline_s": 0.00001}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -77,6 +78,16 @@ def test_collective_timing_verdict(change, words):
     assert "1 GiB all-gather 1.00 ms" in detail and "peak busbw 2000 GB/s" in detail
     if words:
         assert words in detail
+
+
+def test_a_one_rank_copy_on_the_calling_stream_has_no_stall_to_check():
+    """The H200 run: torch ran the one-rank all-gather on the calling stream (the event recorded right
+    after the issue completed only after the copy), so nothing waited and exposure cannot be seen."""
+    inline = {**TIMING, "alone_exposed_s": 0.0, "inline_s": 0.0009}
+    ok, detail = gpu_check.timing_verdict(inline)
+    assert ok and "copy ran on the calling stream" in detail
+    ok, detail = gpu_check.timing_verdict({**inline, "inline_s": 0.0001})  # on NCCL's stream: a stall is due
+    assert not ok and "exposed less than half" in detail
 
 
 def test_monitors_verdict_needs_the_cuda_allocator_figures():
