@@ -51,7 +51,8 @@ def table(params: int, nodes: int, ranks_per_node: int, nbytes: int) -> str:
     base = rows["FSDP / zero3"]
     unit, scale = ("GB", 1e9) if params * nbytes >= 1e9 else ("MB", 1e6)
     lines = [
-        f"{params / 1e9:.3g}B parameters x {nbytes} bytes, {nodes} nodes x {ranks_per_node} ranks",
+        (f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M")
+        + f" parameters x {nbytes} bytes, {nodes} nodes x {ranks_per_node} ranks",
         f"| strategy | per rank ({unit}/step) | per node ({unit}/step) | vs zero3 |",
         "|---|---:|---:|---:|",
     ]
