@@ -39,6 +39,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -122,10 +123,12 @@ def read_range(swap: SwapFile, tensor: torch.Tensor, offset: int, chunk_bytes: i
     """Fill ``tensor`` from byte ``offset`` of ``swap`` (in the calling thread); returns the bytes. Whole
     aligned blocks are read directly where possible: see [Note: direct reads]."""
     view = _byte_view(tensor)
-    direct = _direct_bytes(swap, tensor, offset, len(view))
+    direct_fd = swap.direct_fd  # read once: another thread may turn direct reads off meanwhile
+    direct = _direct_bytes(direct_fd, tensor, offset, len(view))
     if direct:
+        aligned_chunk = max(DIRECT_ALIGN, chunk_bytes // DIRECT_ALIGN * DIRECT_ALIGN)
         try:
-            _read_all(swap, swap.direct_fd, view[:direct], offset, max(DIRECT_ALIGN, chunk_bytes // DIRECT_ALIGN * DIRECT_ALIGN))
+            _read_all(swap, direct_fd, view[:direct], offset, aligned_chunk)
         except OSError as error:
             if error.errno != errno.EINVAL:
                 raise
@@ -136,9 +139,9 @@ def read_range(swap: SwapFile, tensor: torch.Tensor, offset: int, chunk_bytes: i
     return len(view)
 
 
-def _direct_bytes(swap: SwapFile, tensor: torch.Tensor, offset: int, nbytes: int) -> int:
+def _direct_bytes(direct_fd: Optional[int], tensor: torch.Tensor, offset: int, nbytes: int) -> int:
     """How many leading bytes of a read may go through the ``O_DIRECT`` descriptor (0: none)."""
-    if swap.direct_fd is None or tensor.data_ptr() % DIRECT_ALIGN or offset % DIRECT_ALIGN:
+    if direct_fd is None or tensor.data_ptr() % DIRECT_ALIGN or offset % DIRECT_ALIGN:
         return 0
     return nbytes // DIRECT_ALIGN * DIRECT_ALIGN
 

@@ -153,15 +153,15 @@ class SwapFile:
     def __init__(self, path: Path, fd: int, nbytes: int, direct_fd: Optional[int] = None) -> None:
         self.path, self.fd, self.nbytes = path, fd, nbytes
         self.direct_fd = direct_fd  # reads of whole aligned blocks (None: buffered reads only)
+        self._direct_opened = direct_fd  # closed with the file, never earlier: another thread may read through it
 
     def no_direct(self) -> None:
         """The file system accepted ``O_DIRECT`` at open but refuses it on reads: read through the cache."""
-        fd, self.direct_fd = self.direct_fd, None
-        if fd is not None:
-            os.close(fd)
+        self.direct_fd = None
 
     def close(self) -> None:
-        self.no_direct()
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self.direct_fd = None
+        for fd in (self._direct_opened, self.fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._direct_opened, self.fd = None, -1
