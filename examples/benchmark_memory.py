@@ -166,7 +166,6 @@ def table(summary: dict, args) -> str:
 
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
-    import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader
