@@ -52,7 +52,8 @@ DIRECT_ALIGN = 4096  # bytes: memory address, file offset and length of a direct
 class IOStats:
     """Bytes and busy seconds of the NVMe tier, per direction."""
 
-    read_bytes: int = 0
+    read_bytes: int = 0  # counted as reads complete (on the I/O threads)
+    requested_read_bytes: int = 0  # counted as reads are asked for (on the caller's thread: no race)
     write_bytes: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
@@ -77,6 +78,7 @@ class AsyncFileIO:
 
     def read(self, swap: SwapFile, tensor: torch.Tensor, offset: int = 0) -> Future:
         """Fill ``tensor`` from byte ``offset`` of ``swap``."""
+        self.stats.requested_read_bytes += tensor.numel() * tensor.element_size()
         return self.pool.submit(self._read, swap, tensor, offset)
 
     def wait(self, future: Future):
