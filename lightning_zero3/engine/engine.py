@@ -85,7 +85,9 @@ class Zero3Engine:
         if device is None and meta:
             raise ValueError("zero3: the model is on the meta device; pass `device=` to build its shards on.")
         self.device = device or (first.device if first is not None else torch.device("cpu"))
-        if self.device.type == "cpu" and self.config.offload_optimizer is not None:
+        # a run sized by its host memory: its states are offloaded to host memory or NVMe of a CPU run
+        self.host_sized = self.device.type == "cpu" and self.config.offload_optimizer is not None
+        if self.host_sized:
             map_large_temporaries()  # [Note: large temporaries are mapped] in memory.py
         materializer = Materializer(module, self.device, init_fn, self.comm.rank == 0) if meta else None
         if self.config.sync_module_states or meta:
@@ -269,7 +271,8 @@ class Zero3Engine:
                 if group.gathered:
                     group.gather(force=True)
             self.note_optimizer_state()
-            return_free_heap()  # [Note: the heap between phases] in memory.py
+            if self.host_sized:
+                return_free_heap()  # [Note: the heap between steps] in memory.py
 
         return hook
 
