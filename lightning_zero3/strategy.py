@@ -51,6 +51,7 @@ from .engine import Communicator, NoTrainableParametersError, Zero3Engine, engin
 from .engine.materialize import move_real_tensors
 from .engine.watchdog import Watchdog
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
+from .process_exit import close_process_groups_at_exit, note_failure
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self.config.timeout, device_id=device_id
         )
+        close_process_groups_at_exit()  # see [Note: process groups closed at exit] in process_exit.py
         if self.root_device.type == "cpu":
             # needs the process group: see [Note: the CPU thread budget] in cpu_threads.py
             mine, everyone = gather_core_sets()
@@ -368,6 +370,7 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        note_failure()
         if self._watchdog is not None:
             # a peer that failed first, or is gone, is the likelier cause of this rank's error: say so
             reason = self._watchdog.fail(f"{type(exception).__name__}: {exception}")

@@ -15,8 +15,10 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -332,6 +334,13 @@ def expect_failure(module: pl.LightningModule) -> dict:
     return {"error_type": None}
 
 
+def note_group_at_exit(out: Path, mode: str) -> None:
+    """Registered before any Trainer runs, so it runs after the strategy's own exit handler (atexit is
+    last-in, first-out): whether the process group is still open when the interpreter goes down."""
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    (out / f"{mode}-exit-rank{rank}.json").write_text(json.dumps({"group_open": torch.distributed.is_initialized()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["flows", "touch", "frozen", "resume", "fp16", "inference"])
@@ -345,6 +354,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     global OUT
     OUT = args.out
+    atexit.register(note_group_at_exit, args.out, args.mode)
     pl.seed_everything(0)
     if args.mode == "flows":
         result = flows()
