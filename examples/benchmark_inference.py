@@ -12,11 +12,14 @@ The first predict batch is the warm-up (and zero3's profile calls); the second i
 
 Part 2, one process, a model of 129M parameters (516 MB of fp32 weights) with its cold units on NVMe
 (``offload_params="nvme"``): budgets of 25%, 50% and 75% of the weights stay resident, the rest is read
-from the swap files for every forward call. Per row: tokens/s, the bytes read from disk per generated
-token, the disk's own sequential read bandwidth measured right before each run (a 1 GB file read cold
-through the same calls: it drifts by up to 2x on this machine), and the ratio of tokens/s to the bound
-that bandwidth sets (bandwidth / bytes per token). The peer row is Hugging Face accelerate's big-model inference with the same budget as
-``max_memory`` and the rest in an ``offload_folder``. Page cache: zero3 drops what it read from the swap
+from the swap files for every forward call; at 100% every unit stays resident (read once per stage), which
+is how fast the model computes on this machine with nothing streamed. Per row: tokens/s, the bytes read
+from disk per generated token, the disk's own sequential read bandwidth measured right before each run (a
+1 GB file read cold through the same calls: it drifts by up to 2x on this machine), the bound that
+bandwidth sets (bandwidth / bytes per token), and the ratio of tokens/s to the bound of the run: the
+lower of the disk's bound and the all-resident speed (a run that reads little from disk is held by its
+compute, not by the disk). The peer row is Hugging Face accelerate's big-model inference with the same budget as
+``max_memory`` and the rest in an ``offload_folder``; its bound is the disk's alone. Page cache: zero3 drops what it read from the swap
 files after every read; for accelerate the offload folder is dropped from the page cache before every
 forward call, so both read from the disk.
 """
@@ -39,7 +42,9 @@ sys.path.insert(0, str(HERE))
 from processes import free_port, peak_rss  # noqa: E402
 
 PART1 = ("zero3_full", "zero3_half", "zero3_zero", "ddp", "deepspeed")
-PART2 = ("zero3_nvme_25", "zero3_nvme_50", "zero3_nvme_75", "accelerate_25", "accelerate_50", "accelerate_75")
+PART2 = ("zero3_nvme_25", "zero3_nvme_50", "zero3_nvme_75", "zero3_nvme_100", "accelerate_25", "accelerate_50",
+         "accelerate_75")  # fmt: skip
+RESIDENT = "zero3_nvme_100"  # every unit resident: read from disk once per stage, the model's compute speed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -133,9 +138,8 @@ def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:
                if all(r.get(key) is not None for r in good)}  # fmt: skip
         if all(r.get("bytes_read_per_token") and r.get("disk_GBps") for r in good):
             # each run against the disk as measured just before it
-            row["bound_tokens_per_s"] = statistics.median(r["disk_GBps"] * 1e9 / r["bytes_read_per_token"] for r in good)
-            row["x_bound"] = statistics.median(
-                r["tokens_per_s"] * r["bytes_read_per_token"] / (r["disk_GBps"] * 1e9) for r in good
+            row["disk_bound_tokens_per_s"] = statistics.median(
+                r["disk_GBps"] * 1e9 / r["bytes_read_per_token"] for r in good
             )
         row["tokens"] = good[0]["tokens"]
         row["budget_bytes"] = good[0].get("budget_bytes")
@@ -145,9 +149,18 @@ def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:
     table_rows = out["rows"]
     ddp = table_rows.get("ddp", {}).get("tokens_per_s")
     zero = table_rows.get("zero3_zero", {}).get("tokens_per_s")
+    resident = table_rows.get(RESIDENT, {}).get("tokens_per_s")
     for name, row in table_rows.items():
         if "tokens_per_s" not in row:
             continue
+        if "disk_bound_tokens_per_s" in row and name != RESIDENT:
+            # the run's bound: the disk's, or the speed with nothing streamed where that is lower (zero3 rows)
+            own = [r for r in rows[name] if isinstance(r, dict)]
+            bounds = [r["disk_GBps"] * 1e9 / r["bytes_read_per_token"] for r in own]
+            if resident and name.startswith("zero3_nvme"):
+                bounds = [min(bound, resident) for bound in bounds]
+            row["bound_tokens_per_s"] = statistics.median(bounds)
+            row["x_bound"] = statistics.median(r["tokens_per_s"] / bound for r, bound in zip(own, bounds))
         if name in PART1 and ddp:
             row["x_ddp"] = row["tokens_per_s"] / ddp
         if name in PART1 and zero:
@@ -192,18 +205,23 @@ def table(summary: dict, args) -> str:
         lines.append(f"Part 2: one process, cold units on NVMe, batch {args.nvme_batch}, {args.nvme_new_tokens} new tokens; "
                      f"the disk reads {disk['read_GBps']:.2f} GB/s cold (median of {args.runs * len(PART2)} "
                      f"measurements, one right before each run: {disk['min_GBps']:.2f}-{disk['max_GBps']:.2f}); "
-                     f"x bound: each run against the disk measured before it")  # fmt: skip
-        head = ("row", "budget", "tokens/s", "MB read/token", "bound tokens/s", "x bound", "x accelerate", "peak RSS MiB")
+                     f"bound: the disk's bound of each run (measured right before it), or {RESIDENT}'s speed where lower")  # fmt: skip
+        head = ("row", "budget", "tokens/s", "MB read/token", "disk bound tokens/s", "bound tokens/s", "x bound",
+                "x accelerate", "peak RSS MiB")  # fmt: skip
 
         def part2(name: str, row: dict) -> tuple:
             per_token = row.get("bytes_read_per_token")
             return (name, name.rsplit("_", 1)[1] + "%", f"{row['tokens_per_s']:.2f}",
-                    "" if per_token is None else f"{per_token / 1e6:.0f}",
-                    f"{row.get('bound_tokens_per_s', float('nan')):.2f}", f"{row.get('x_bound', float('nan')):.2f}",
-                    f"{row.get('x_accelerate', float('nan')):.2f}", f"{row['peak_rss'] / 2**20:.0f}")  # fmt: skip
+                    "" if per_token is None else f"{per_token / 1e6:.1f}",
+                    _figure(row, "disk_bound_tokens_per_s"), _figure(row, "bound_tokens_per_s"),
+                    _figure(row, "x_bound"), _figure(row, "x_accelerate"), f"{row['peak_rss'] / 2**20:.0f}")  # fmt: skip
 
         lines += _grid(head, _body(PART2, rows, part2, len(head)))
     return "\n".join(lines)
+
+
+def _figure(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}" if key in row else "-"
 
 
 def _grid(head: tuple, body: list) -> list[str]:
