@@ -11,6 +11,8 @@ from distributed import run_script
 from gpt import GPT, GPTConfig
 
 from lightning_zero3 import Zero3Config, Zero3Engine
+from lightning_zero3.engine import shard as shard_module
+from lightning_zero3.engine.offload.source import ParamSource
 from lightning_zero3.engine.residency import PROFILE_CALLS, UnitProfile, auto_budget, choose_resident
 
 SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"
@@ -122,3 +124,35 @@ def test_cold_units_stream_from_their_tier_and_give_the_all_resident_outputs(tmp
     assert half["peaks"]["gathered_params"] <= half["plan"].budget + window
     if tier == "nvme":  # after the plan, every call reads the cold units from the disk, and no more
         assert all(abs(r - cold) <= max(half["units"].values()) for r in half["reads"][PROFILE_CALLS + 1 :])
+
+
+def test_one_process_does_not_gather_ahead_a_unit_whose_read_is_still_in_flight(tmp_path, monkeypatch):
+    # [Note: gathers ahead do not wait for the disk]: every read counts as in flight until it is waited
+    # for, so a cold unit may only be gathered at its own start (else the compute waits for the disk there)
+    monkeypatch.setattr(ParamSource, "still_reading", lambda self: self.pending_read is not None)
+    events: list[tuple[str, str]] = []
+    issue = shard_module.issue
+    monkeypatch.setattr(shard_module, "issue", lambda groups: (events.extend(("gather", g.name) for g in groups), issue(groups)))
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=64)
+    x = torch.randint(0, 64, (2, 12))
+    outputs = {}
+    for budget in ("all", "half"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        units = Zero3Engine(GPT(cfg), Zero3Config(persistence_threshold=100)).unit_sizes()
+        knobs = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path)}
+        limit = sum(units.values()) if budget == "all" else sum(units.values()) // 2
+        engine = Zero3Engine(model, Zero3Config(persistence_threshold=100, inference_memory_budget=limit, **knobs))
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda module, args, name=f"blocks.{i}": events.append(("start", name)), prepend=True)
+        events.clear()
+        with torch.no_grad():
+            outputs[budget] = [model(x) for _ in range(PROFILE_CALLS + 3)]
+    assert all(torch.equal(a, b) for a, b in zip(outputs["half"], outputs["all"]))
+    cold_gathers = 0
+    for at, (kind, name) in enumerate(events):
+        if kind == "gather" and name.startswith("blocks."):
+            last_start = next(n for k, n in reversed(events[:at]) if k == "start")
+            assert last_start == name, f"{name} gathered ahead, at the start of {last_start}"
+            cold_gathers += 1
+    assert cold_gathers >= 3 * (PROFILE_CALLS + 3) // 2  # the cold half is gathered on every call

@@ -93,6 +93,10 @@ class ParamSource:
         else:
             self.pending_read = self.store.read_file(MASTER)
 
+    def still_reading(self) -> bool:
+        """A read-ahead of the shard is still on its way from the disk (``fill`` would wait for it)."""
+        return self.pending_read is not None and not self.pending_read[0].done()
+
     def _claim(self) -> None:
         if not self.filled:
             reclaim(self.shard)
