@@ -91,18 +91,25 @@ def test_the_budget_holds_and_memory_returns_to_the_training_level_after_the_sta
         assert rank["budgets"]["auto"]["peak_transient"] <= rank["trained_peak"]
 
 
+def _streaming_engine(budget: str, tier, tmp_path: Path):
+    """A 6-block GPT under an inference budget of all (``"all"``) or half (``"half"``) of its units' bytes,
+    its parameters offloaded to ``tier`` (None: not offloaded): ``(model, engine, unit sizes)``."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    units = Zero3Engine(GPT(cfg), Zero3Config(persistence_threshold=100)).unit_sizes()
+    limit = sum(units.values()) if budget == "all" else sum(units.values()) // 2
+    knobs = {"offload_optimizer": tier, "offload_params": tier, "nvme_path": str(tmp_path)} if tier else {}
+    engine = Zero3Engine(model, Zero3Config(persistence_threshold=100, inference_memory_budget=limit, **knobs))
+    return model, engine, units
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_cold_units_stream_from_their_tier_and_give_the_all_resident_outputs(tmp_path, tier):
-    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=64)
     x = torch.randint(0, 64, (2, 12))
     runs = {}
     for budget in ("all", "half"):
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        units = Zero3Engine(GPT(cfg), Zero3Config(persistence_threshold=100)).unit_sizes()
-        limit = sum(units.values()) if budget == "all" else sum(units.values()) // 2
-        knobs = {"offload_optimizer": tier, "offload_params": tier, "nvme_path": str(tmp_path)} if budget == "half" else {}
-        engine = Zero3Engine(model, Zero3Config(persistence_threshold=100, inference_memory_budget=limit, **knobs))
+        model, engine, units = _streaming_engine(budget, tier if budget == "half" else None, tmp_path)
         reads = []
         with engine.ledger.watch() as peaks, torch.no_grad():
             outputs = []
@@ -133,16 +140,10 @@ def test_one_process_does_not_gather_ahead_a_unit_whose_read_is_still_in_flight(
     events: list[tuple[str, str]] = []
     issue = shard_module.issue
     monkeypatch.setattr(shard_module, "issue", lambda groups: (events.extend(("gather", g.name) for g in groups), issue(groups)))
-    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=64)
     x = torch.randint(0, 64, (2, 12))
     outputs = {}
     for budget in ("all", "half"):
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        units = Zero3Engine(GPT(cfg), Zero3Config(persistence_threshold=100)).unit_sizes()
-        knobs = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path)}
-        limit = sum(units.values()) if budget == "all" else sum(units.values()) // 2
-        engine = Zero3Engine(model, Zero3Config(persistence_threshold=100, inference_memory_budget=limit, **knobs))
+        model, _, _ = _streaming_engine(budget, "nvme", tmp_path)
         for i, block in enumerate(model.blocks):
             block.register_forward_pre_hook(lambda module, args, name=f"blocks.{i}": events.append(("start", name)), prepend=True)
         events.clear()
