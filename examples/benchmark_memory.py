@@ -115,9 +115,10 @@ def summarize(results: dict[str, list], devices: int, layers: int, width: int) -
             "val_loss": runs[0][0]["val_loss"],
             "runs": len(runs),
         }
+    for row in rows.values():  # first, so that the reference has it whatever the order of --strategies
+        row["worst_peak"] = max(row["peak_rss_per_rank"])
     reference = rows.get("ddp") or rows.get("zero3")
     for name, row in rows.items():
-        row["worst_peak"] = max(row["peak_rss_per_rank"])
         if reference is not None:
             row["peak_x_reference"] = row["worst_peak"] / reference["worst_peak"]
         row["states_x_peak"] = 16 * row["params"] / devices / row["worst_peak"]
