@@ -138,9 +138,7 @@ def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:
                if all(r.get(key) is not None for r in good)}  # fmt: skip
         if all(r.get("bytes_read_per_token") and r.get("disk_GBps") for r in good):
             # each run against the disk as measured just before it
-            row["disk_bound_tokens_per_s"] = statistics.median(
-                r["disk_GBps"] * 1e9 / r["bytes_read_per_token"] for r in good
-            )
+            row["disk_bound_tokens_per_s"] = statistics.median(map(_disk_bound, good))
         row["tokens"] = good[0]["tokens"]
         row["budget_bytes"] = good[0].get("budget_bytes")
         row["model_bytes"] = good[0]["model_bytes"]
@@ -156,7 +154,7 @@ def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:
         if "disk_bound_tokens_per_s" in row and name != RESIDENT:
             # the run's bound: the disk's, or the speed with nothing streamed where that is lower (zero3 rows)
             own = [r for r in rows[name] if isinstance(r, dict)]
-            bounds = [r["disk_GBps"] * 1e9 / r["bytes_read_per_token"] for r in own]
+            bounds = [_disk_bound(r) for r in own]
             if resident and name.startswith("zero3_nvme"):
                 bounds = [min(bound, resident) for bound in bounds]
             row["bound_tokens_per_s"] = statistics.median(bounds)
@@ -170,6 +168,11 @@ def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:
             row["x_accelerate"] = row["tokens_per_s"] / peer
     out["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return out
+
+
+def _disk_bound(run: dict) -> float:
+    """The tokens/s the disk allows one run: its bandwidth, measured right before it, over its bytes per token."""
+    return run["disk_GBps"] * 1e9 / run["bytes_read_per_token"]
 
 
 def _body(names: tuple, rows: dict, cells, width: int) -> list[tuple]:
