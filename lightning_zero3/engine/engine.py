@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..config import Zero3Config, parse_budget
-from . import gradients
+from . import gradients, parking
 from .agreement import OrderCheck
 from .comm import Communicator
 from .grads import ReductionQueue
@@ -491,8 +491,13 @@ class Zero3Engine:
 
     def gathered_resident_bytes(self) -> int:
         """Bytes of gathered (full) parameter buffers that are really in memory right now, asked of the
-        kernel (a measurement to check the ledger's ``gathered_params`` against)."""
-        return sum(resident_bytes(rt.group.full) for rt in self.runtimes if not rt.group.persistent)
+        kernel (a measurement to check the ledger's ``gathered_params`` against). A released buffer whose
+        pages are parked for the next gather is not counted: the ledger counts those as staging bytes."""
+        return sum(
+            resident_bytes(rt.group.full)
+            for rt in self.runtimes
+            if not rt.group.persistent and not parking.holds(getattr(rt.group.full, "_zero3_region", None))
+        )
 
     def unit_sizes(self) -> dict[str, int]:
         """Full (gathered) bytes of every unit (the root included), by unit name."""

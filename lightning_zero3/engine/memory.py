@@ -45,6 +45,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from . import parking
+
 # Categories of bytes that the engine holds.
 PARAM_SHARDS = "param_shards"  # this rank's 1/N of every sharded parameter (the optimizer's parameters)
 GRAD_SHARDS = "grad_shards"  # this rank's 1/N of every gradient, in the shard dtype
@@ -167,11 +169,19 @@ def releasable_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> t
     return new_buffer(numel, dtype, device)
 
 
-def release(tensor: torch.Tensor) -> None:
-    """Give the memory of ``tensor`` back; the tensor (and its views) survive, contents undefined."""
+def release(tensor: torch.Tensor, ledger: Optional[ByteLedger] = None) -> None:
+    """Give the memory of ``tensor`` back; the tensor (and its views) survive, contents undefined. With a
+    ``ledger``, a host map's pages are parked for the next reclaim of the same size instead, counted there
+    as staging bytes until taken (see [Note: released pages are parked] in parking.py)."""
     region = getattr(tensor, "_zero3_region", None)
     if region is not None:
-        region.madvise(mmap.MADV_DONTNEED, 0, len(region) - mmap.PAGESIZE)
+        length = len(region) - mmap.PAGESIZE
+        tensor._zero3_released = True
+        if ledger is not None and parking.can_park():
+            ledger.add(STAGING, length)
+            parking.park(region, tensor.untyped_storage().data_ptr(), length, lambda: ledger.remove(STAGING, length))
+        elif not parking.holds(region):
+            region.madvise(mmap.MADV_DONTNEED, 0, length)
         return
     storage = tensor.untyped_storage()
     if storage.size() != 0:
@@ -179,9 +189,14 @@ def release(tensor: torch.Tensor) -> None:
 
 
 def reclaim(tensor: torch.Tensor) -> None:
-    """Make a released ``tensor`` usable again (contents undefined until written)."""
-    if getattr(tensor, "_zero3_region", None) is not None:
-        return  # pages fault back in on the first write
+    """Make a released ``tensor`` usable again (contents undefined until written): a host map takes the
+    parked pages if they fit it, else its pages fault in on the first write."""
+    region = getattr(tensor, "_zero3_region", None)
+    if region is not None:
+        if getattr(tensor, "_zero3_released", False):
+            parking.take(region, tensor.untyped_storage().data_ptr(), len(region) - mmap.PAGESIZE)
+            tensor._zero3_released = False
+        return
     storage = tensor.untyped_storage()
     nbytes = tensor.numel() * tensor.element_size()
     if storage.size() != nbytes:
@@ -344,7 +359,9 @@ def return_free_heap() -> None:
     afresh (zeroed by the kernel): on the benchmark GPT (2 CPU ranks, about 360 MB of free heap per rank
     after each step) that cost 0.09x of DDP's step time (1.22x against 1.13x), for a whole-run peak 68 MiB
     lower (944 against 1012 MiB per rank). So only engines sized by their host memory (the same ones that
-    map large temporaries, above) trim after every optimizer step; the others trim where a phase ends."""
+    map large temporaries, above) trim after every optimizer step; the others trim where a phase ends.
+    Parked pages (see parking.py) go back to the kernel here too."""
+    parking.flush()
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
 

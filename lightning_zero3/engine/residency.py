@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from ..config import Budget, parse_budget
+from . import parking
 
 #: profile calls: the first warms the prefetch pipeline and the allocator, the next ones are measured
 PROFILE_CALLS = 3
@@ -148,6 +149,7 @@ class Residency:
         for runtime in self.plan.resident if self.plan else []:
             runtime.resident = False
             runtime.maybe_release()
+        parking.flush()  # the last released unit's pages too (see [Note: released pages are parked])
         self.active, self.by_stage, self.plan = False, False, None
         self.ledger.evaluating = False
 

@@ -320,8 +320,8 @@ class FlatGroup:
             self.secondary.keep(self.full)  # [Note: secondary shards] in secondary.py
         for slot in self.slots:
             mark_released(slot.param, slot.original_class)
-        release(self.full)
         self.ledger.remove(self._full_category, self._nbytes(self.full))
+        release(self.full, self.ledger)  # parked for the next gather: see [Note: released pages are parked]
         self.gathered = False
 
     def write_back(self, src: int | None = None) -> None:
