@@ -77,10 +77,13 @@ def _memory_case(rank: int, world: int, prefetch: int) -> dict:
         gathered_in_forward.append((engine.ledger.held["gathered_params"], _real_bytes(engine)["gathered_params"]))
 
     handle = model.blocks[1].fc.register_forward_hook(probe)
+    checks = []  # the identity checks of each step, by kind (agreement.py)
     for step in range(2):
+        before = dict(engine.order_check.counts)
         _loss(model, *_batch(rank, world, step)).backward()
         optimizer.step()
         optimizer.zero_grad()
+        checks.append({kind: engine.order_check.counts[kind] - before[kind] for kind in before})
     handle.remove()
     released = [resident_bytes(p) == 0 for p in model.blocks[2].parameters() if p.numel() >= 10_000]
     return {
@@ -90,6 +93,7 @@ def _memory_case(rank: int, world: int, prefetch: int) -> dict:
         "units": engine.unit_sizes(),
         "gathered_in_forward": gathered_in_forward,
         "released": released,
+        "checks": checks,
     }
 
 
@@ -116,6 +120,15 @@ def test_model_state_bytes_match_formula_and_real_tensors(world, prefetch):
         for ledger, measured in result["gathered_in_forward"]:
             assert 0 <= measured - ledger < 4096 * len(result["units"]), (ledger, measured)
         assert result["released"] and all(result["released"])
+        # once the order is recorded, gathers ahead of need are agreed on without waiting (a unit ahead);
+        # only gathers needed at once wait for every rank: the root in each pass, the first block, and the
+        # persistent parameters after the optimizer step
+        recording, following = result["checks"]
+        assert recording["ahead"] == 0 and recording["blocking"] >= len(result["units"])
+        if prefetch:
+            assert following["ahead"] >= len(result["units"]) - 1 and following["blocking"] <= 4, following
+        else:
+            assert following["ahead"] == 0 and following["blocking"] >= len(result["units"]), following
 
 
 def _touch_case(rank: int, world: int) -> dict:

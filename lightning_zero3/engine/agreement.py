@@ -7,12 +7,26 @@ with rank 1's gather of another: equal-sized units then mix silently, different 
 inside gloo ("Received data size doesn't match expected size") or hang under NCCL. So before issuing
 an all-gather, each rank all-gathers a tag of a few integers (``OrderCheck.tag``: step, pass, phase,
 sequence number, elements, and the units gathered) on the check group (see [Note: three process groups]
-in comm.py), blocking, and compares the rows: every rank sees the same rows, so on a mismatch every rank
-raises the same ``ExecutionOrderError``, naming what each rank was about to gather, before any gather
-is issued. The check is blocking because the gather right behind it could otherwise abort the process
-before the check is read (gloo checks message sizes on its own thread). Its cost is one round trip of
-80 bytes per issue of gathers (a unit start and its prefetches share one), and the wait for the other
-ranks to reach the same point, which they must anyway before the gather itself can complete.
+in comm.py) and compares the rows: every rank sees the same rows, so on a mismatch every rank raises the
+same ``ExecutionOrderError``, naming what each rank was about to gather, before any gather is issued.
+The rows must be read before the gather is issued, because a mismatched gather could abort the process
+before a check behind it is read (gloo checks message sizes on its own thread: ``gloo::EnforceNotMet``,
+SIGABRT). A gather needed at once waits for the rows (one round trip of 80 bytes, and the wait for the
+other ranks to reach the same point); a gather ahead of need is agreed on a unit earlier (next note).
+
+[Note: checks run a unit ahead]
+Blocking at every unit start makes a rank that runs ahead wait there for the slowest one, even when the
+gathers it issues would not have made it wait (prefetch hides them): measured on the benchmark GPT
+(2 CPU ranks), about 0.02-0.03x of DDP's step time. So a gather ahead of need (prefetch) is agreed on
+one unit before it is issued: the window chooses it at one unit start, its tag goes out without waiting
+(``check_ahead``; the group's ``pending`` is then a ``CheckedAhead``), and at the next unit start, or as
+soon as anything waits for it, ``settle`` reads the rows, compares them and issues the gather. By then
+the other ranks have long sent their tags. Safety is kept by order: every rank agrees on and issues its
+gathers in the same first-in first-out order, each one only after the rows said that every rank's tag
+for it is the same, and only at fixed points of the program (unit starts, waits), never "when the check
+happens to be done", so the ranks' collectives still pair one to one. A gather that is needed at once
+(the unit starting had no prefetch, the first step, a new order) is still checked blocking, after
+everything agreed on ahead has been issued.
 
 Reduce-scatters need no tag: their order is derived on every rank from the recorded backward trace
 (``grads.ReductionQueue``), and ``check_traces`` compares the traces across ranks at the end of every
@@ -25,9 +39,10 @@ disagreement surfaces at the next gather or the end of that backward, before it 
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Sequence
+from collections import deque
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from .comm import Communicator
+from .comm import Agreement, Communicator
 
 if TYPE_CHECKING:
     from .shard import FlatGroup
@@ -60,6 +75,8 @@ class OrderCheck:
         self.passes = 0  # forward passes of the root module started
         self.phase = 0  # index into PHASES
         self.seq = 0  # checked gathers since the phase began
+        self.ahead: deque[CheckedAhead] = deque()  # gathers agreed on ahead, not issued yet (oldest first)
+        self.counts = {"blocking": 0, "ahead": 0}  # checks of each kind so far (for tests and monitors)
 
     def enter(self, phase: str) -> None:
         """A new forward pass, a backward pass, or back outside both."""
@@ -81,12 +98,48 @@ class OrderCheck:
         assert len(tag) == TAG_LENGTH
         return tag
 
+    @property
+    def checks_ahead(self) -> bool:
+        """Whether gathers ahead are agreed on a unit before they are issued (several ranks)."""
+        return self.comm.distributed
+
     def check(self, groups: Sequence["FlatGroup"]) -> None:
-        """Agree with every rank on the all-gather of ``groups`` about to be issued (a collective)."""
+        """Agree with every rank on the all-gather of ``groups`` about to be issued (a collective), after
+        issuing everything agreed on ahead."""
         if not self.comm.distributed or not groups:
             return
-        rows = self.comm.agree(self.tag(groups), before="all_gather")
+        self.settle()
+        agreement = self.comm.agree_later(self.tag(groups), before="all_gather")
         self.seq += 1
+        self.counts["blocking"] += 1
+        self._compare(agreement.rows())
+
+    def check_ahead(self, groups: Sequence["FlatGroup"], issue: Callable[[list], None]) -> None:
+        """Send the tag of gathers ahead of need without waiting; ``issue(groups)`` runs at the next
+        ``settle`` once every rank is seen to agree (see [Note: checks run a unit ahead])."""
+        entry = CheckedAhead(self, self.comm.agree_later(self.tag(groups), before="all_gather"), list(groups), issue)
+        self.seq += 1
+        self.counts["ahead"] += 1
+        for group in groups:
+            group.pending = entry
+        self.ahead.append(entry)
+
+    def settle(self) -> None:
+        """Issue every gather agreed on ahead, in the order they were checked (raises on disagreement)."""
+        while self.ahead:
+            entry = self.ahead.popleft()
+            for group in entry.groups:
+                group.pending = None
+            rows = entry.agreement.rows()
+            if any(row != rows[0] for row in rows):
+                for later in self.ahead:  # never issued: the run ends here
+                    for group in later.groups:
+                        group.pending = None
+                self.ahead.clear()
+            self._compare(rows)
+            entry.issue_groups(entry.groups)
+
+    def _compare(self, rows: list[list[int]]) -> None:
         if any(row != rows[0] for row in rows):
             raise ExecutionOrderError(self._describe(rows))
 
@@ -112,6 +165,7 @@ class OrderCheck:
         """Compare the recorded traces (unit names per phase) across ranks (a collective)."""
         if not self.comm.distributed:
             return
+        self.settle()
         digest = zlib.crc32(repr(sorted(traces.items())).encode())
         trace_check = PHASES.index("trace check")
         rows = self.comm.agree([self.step, self.passes, trace_check, 0, digest, 0] + [-1] * NAMED_UNITS + [0])
@@ -131,3 +185,20 @@ class OrderCheck:
             f"zero3: ranks recorded different execution orders at step {self.step}: " + "; ".join(lines) + ". "
             + REMEDY
         )
+
+
+class CheckedAhead:
+    """The ``pending`` of groups whose gather was agreed on ahead and is not issued yet: ``issue`` issues
+    it (with every gather agreed on before it), after which the groups' ``pending`` is the gather's."""
+
+    def __init__(self, order_check: OrderCheck, agreement: Agreement, groups: list, issue: Callable[[list], None]) -> None:
+        self.order_check = order_check
+        self.agreement = agreement
+        self.groups = groups
+        self.issue_groups = issue
+
+    def issue(self) -> None:
+        self.order_check.settle()
+
+    def ready(self) -> bool:
+        return False

@@ -121,6 +121,26 @@ class Pending:
         self.done = True
 
 
+class Agreement:
+    """Every rank's tag of an ``agree_later``, once it has arrived (``rows``)."""
+
+    def __init__(self, comm: "Communicator", work: Any, everyone: Any, before: Optional[str]) -> None:
+        self._comm, self._work, self._everyone, self._before = comm, work, everyone, before
+        self._rows: Optional[list[list[int]]] = everyone if work is None else None
+
+    def rows(self) -> list[list[int]]:
+        if self._rows is None:
+            start = time.perf_counter()
+            self._work.wait()
+            self._rows = self._everyone.tolist()
+            if self._before is not None:  # straight into the totals: ``stats`` would drain (a CUDA sync)
+                totals = self._comm._stats[self._before]
+                elapsed = time.perf_counter() - start
+                totals.seconds += elapsed
+                totals.exposed_seconds += elapsed
+        return self._rows
+
+
 # The ways of doing each collective that ``tune`` chooses between.
 ALL_GATHER_WAYS = ("all_gather_single", "all_gather_list")
 REDUCE_SCATTER_WAYS = ("reduce_scatter_single", "all_reduce_slice")
@@ -404,23 +424,22 @@ class Communicator:
         collective; the time spent here, waiting for the other ranks to reach it, is that collective's
         time, and all of it exposed (as it was when the wait happened inside the collective itself);
         the bytes and counts per message size stay the collective's own."""
+        return self.agree_later(tag, before).rows()
+
+    def agree_later(self, tag: list[int], before: Optional[str] = None) -> "Agreement":
+        """``agree`` without waiting: the tag goes out now, ``rows()`` waits for every rank's (only the
+        wait counts as the collective's exposed time)."""
         if not self.distributed:
-            return [list(tag)]
-        start = time.perf_counter()
+            return Agreement(self, None, [list(tag)], before)
         host = torch.device("cpu") if self._side_groups else self.device  # the check group is gloo's
         mine = torch.tensor(tag, dtype=torch.int64, device=host)
         everyone = torch.empty(self.world_size * len(tag), dtype=torch.int64, device=host)
-        dist.all_gather_single(everyone, mine, group=self.check_group)
-        rows = everyone.view(self.world_size, len(tag)).tolist()
+        work = dist.all_gather_single(everyone, mine, group=self.check_group, async_op=True)
         self.checks += 1
         nbytes = everyone.numel() * everyone.element_size()
         checks = self._by_group.setdefault(("check", "check"), CollectiveStats())
         checks.add(nbytes, 0.0, 0.0, self._inter_node("check", nbytes, "check"))  # its time is the gather's
-        if before is not None:
-            elapsed = time.perf_counter() - start
-            self.stats[before].seconds += elapsed
-            self.stats[before].exposed_seconds += elapsed
-        return rows
+        return Agreement(self, work, everyone.view(self.world_size, len(tag)), before)
 
     @property
     def device(self) -> torch.device:

@@ -113,6 +113,7 @@ class Zero3Engine:
                 )
                 runtime = UnitRuntime(name, group, self.comm)
                 runtime.maybe_release()  # before the next unit is built: one unit in full at a time
+                parking.flush()  # the next unit is a new buffer, not a gather: no pages kept for it (parking.py)
                 if spec is self.plan.root:
                     self.root = runtime
                 else:
@@ -139,7 +140,7 @@ class Zero3Engine:
         cfg = self.config
         self.order_check = OrderCheck([rt.group for rt in self.runtimes], self.comm)
         for runtime in self.runtimes:
-            runtime.group.check = self.order_check.check
+            runtime.group.check = self.order_check
         self.schedule = Schedule(
             units, self.order_check, cfg.prefetch_bucket_size, cfg.max_live_parameters, cfg.max_reuse_distance
         )

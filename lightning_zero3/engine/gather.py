@@ -138,6 +138,9 @@ class Then:
     def __init__(self, pending: Pending, then: Callable[[], object]) -> None:
         self._pending, self._then, self.done = pending, then, False
 
+    def issue(self) -> None:
+        """Issued already (a gather agreed on ahead is a ``CheckedAhead`` until issued, see agreement.py)."""
+
     def wait(self) -> None:
         if not self.done:
             self._pending.wait()

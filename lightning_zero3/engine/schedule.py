@@ -159,7 +159,7 @@ class Schedule:
             return Start([], False)
         if cursor < len(trace) and trace[cursor] is unit:
             self.cursors[phase] = cursor + 1
-            return Start(self._window(trace, cursor + 1), False)
+            return Start(self._window(trace, cursor + 1, unit), False)
         # [Note: the trace may change]: re-record this phase from here
         self.traces[phase] = trace[:cursor] + [unit]
         self.cursors[phase] = cursor + 1
@@ -179,9 +179,15 @@ class Schedule:
         chosen = [unit for unit in trace if not unit.group.gathered and unit.group.pending is None]
         return list(dict.fromkeys(chosen))[:count]
 
-    def _window(self, trace: list["UnitRuntime"], start: int) -> list["UnitRuntime"]:
+    def _window(self, trace: list["UnitRuntime"], start: int, starting: "UnitRuntime") -> list["UnitRuntime"]:
         live = sum(rt.group.full.numel() for rt in self.units if rt.group.gathered or rt.group.pending is not None)
-        inflight = sum(1 for rt in self.units if rt.group.pending is not None)
+        # Gathers in flight once this start is over. Gathers agreed on ahead are issued at the next start
+        # (see [Note: checks run a unit ahead] in agreement.py), when the unit starting now is no longer
+        # in flight: it is not counted then, so the same number of gathers is issued ahead of need.
+        inflight = sum(
+            1 for rt in self.units
+            if rt.group.pending is not None and not (rt is starting and self.check.checks_ahead)
+        )  # fmt: skip
         chosen, budget = [], self.prefetch_numel
         for unit in trace[start:]:
             if unit.group.gathered or unit.group.pending is not None or unit in chosen:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ from .memory import (
 from .released import mark_gathered, mark_released
 
 if TYPE_CHECKING:
+    from .agreement import OrderCheck
     from .materialize import Materializer
     from .offload import Offload, ParamSource, GroupStore
     from .secondary import SecondaryShard
@@ -168,7 +169,7 @@ class FlatGroup:
         self.arrived: set[int] = set()  # parameters autograd gave a gradient in this backward
         self.pending: Optional[Then] = None  # an all-gather in flight into ``full`` (see gather.py)
         # agrees with every rank on each all-gather before it is issued (set by the engine; see agreement.py)
-        self.check: Optional[Callable[[Sequence["FlatGroup"]], None]] = None
+        self.check: Optional["OrderCheck"] = None
         # how its all-gathers travel, set by the engine (see [Note: gather routes] in gather.py)
         self.quantized = False  # int8 blocks on the primary route
         self.secondary: Optional["SecondaryShard"] = None  # node-local copy for backward (secondary.py)
@@ -250,6 +251,7 @@ class FlatGroup:
             if self.gathered and not force:
                 return
             self.start_gather(force)
+        self.pending.issue()  # a gather agreed on ahead is issued now (see [Note: checks run a unit ahead])
         self.pending.wait()
         self.pending = None
         self._after_gather()
@@ -259,7 +261,7 @@ class FlatGroup:
 
     def _agree(self, groups: Sequence["FlatGroup"]) -> None:
         if self.check is not None:
-            self.check(groups)
+            self.check.check(groups)
 
     def master_for_reading(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """This rank's master shard, readable (for exports and checkpoints): ``(tensor, pooled)``, where
@@ -437,11 +439,26 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int) -> None:
     every rank must issue the same gathers in the same order, and how far a read has got is this rank's
     own business, so there the gather ahead still waits for the read.
     """
+    check = groups[0].check
+    if check is not None:
+        check.settle()  # gathers agreed on ahead go first: see [Note: checks run a unit ahead] in agreement.py
     needed, ahead = groups[:1], [g for g in groups[1:] if not g.read_in_flight_alone()]
     # once each (a trace in which a unit repeats, a module called twice, may name it twice)
     waiting = list(dict.fromkeys(g for g in needed + ahead if g.pending is None and not g.gathered))
-    if waiting:
-        waiting[0]._agree(waiting)  # one check for the unit and its prefetches
+    if check is None or not check.checks_ahead:  # one process: nobody to agree with
+        _issue_coalesced(waiting, coalesce_below)
+        return
+    now = [g for g in waiting if g is groups[0]]  # needed at once: agreed on while everyone waits
+    later = [g for g in waiting if g is not groups[0]]  # ahead of need: agreed on now, issued at the next start
+    if now:
+        check.check(now)
+        _issue_coalesced(now, coalesce_below)
+    if later:
+        check.check_ahead(later, lambda agreed: _issue_coalesced(agreed, coalesce_below))
+
+
+def _issue_coalesced(waiting: list[FlatGroup], coalesce_below: int) -> None:
+    """Issue the all-gathers of ``waiting``, the small groups on one route sharing one."""
     together: dict = {}  # route -> the small groups gathered on it, in order
     for group in waiting:
         if group.full.numel() < coalesce_below:
