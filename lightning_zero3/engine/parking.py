@@ -3,8 +3,11 @@
 [Note: released pages are parked]
 A gathered buffer on the host is a memory map of its own, released with ``madvise(MADV_DONTNEED)`` (see
 [Note: releasing gathered buffers] in memory.py). The next gather into any buffer then faults every page
-in afresh, and the kernel zeroes each one first: one process streaming cold units from NVMe spent 42 ms
-of an 89 ms token that way, and a training step on the host a few percent. Units of a model mostly have
+in afresh, and the kernel zeroes each one first; a direct read from the disk into such a buffer also
+runs slower (two 43 MB reads at once: 2.0 GB/s into fresh pages, 2.6 GB/s into present ones, measured).
+One process generating with 75% of its weights resident and two cold units read from NVMe per token took
+44-56 ms per token (median 47) that way, and takes 39-43 ms with parked pages (about 40 ms with every
+unit resident). Units of a model mostly have
 the same size (the blocks of a transformer), and one unit is released about when the next one is
 gathered. So the last released buffers keep their pages ("parked", counted by the ledger as staging
 bytes), and:
