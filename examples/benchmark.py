@@ -43,7 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from processes import free_port, peak_rss  # noqa: E402
+from processes import close_process_group, free_port, peak_rss  # noqa: E402
 
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_hpz", "zero3_int8", "zero3_hpz_int8")
 ONE_NODE = "zero3,ddp,fsdp2,deepspeed"
@@ -391,6 +391,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
         }
     if trainer.is_global_zero:
         write_result(args, probe.step_times, probe.losses, int(rss.item()), int(state.item()), exposed, extra)
+    close_process_group()
 
 
 def deepspeed_worker(args: argparse.Namespace) -> None:

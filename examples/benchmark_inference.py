@@ -39,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from processes import free_port, peak_rss  # noqa: E402
+from processes import close_process_group, free_port, peak_rss  # noqa: E402
 
 PART1 = ("zero3_full", "zero3_half", "zero3_zero", "ddp", "deepspeed")
 PART2 = ("zero3_nvme_25", "zero3_nvme_50", "zero3_nvme_75", "zero3_nvme_100", "accelerate_25", "accelerate_50",
@@ -354,6 +354,7 @@ def lightning_worker(name: str, args) -> None:
             "budget_bytes": knobs["inference_memory_budget"] if name != "ddp" else None,
             "bytes_read_per_token": module.read_bytes[-1] / (batch * new_tokens) if part2 else None,
         }))  # fmt: skip
+    close_process_group()
 
 
 def accelerate_worker(name: str, args) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from processes import peak_rss  # noqa: E402
+from processes import close_process_group, peak_rss  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp2", "zero3", "zero3_offload", "zero3_offload_nvme")
 CAPACITY = ("zero3", "zero3_offload_nvme")
@@ -237,6 +237,7 @@ def worker(args: argparse.Namespace) -> None:
         (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
 
     atexit.register(write_at_exit)
+    close_process_group()
 
 
 def _registered(name: str) -> dict:
