@@ -45,9 +45,10 @@ class _Parked:
     """A buffer whose pages are parked: its map (weakly: a map that dies takes its pages with it),
     where its pages start, how many bytes, and the ledger entry that counts them until they are taken."""
 
-    def __init__(self, region: mmap.mmap, address: int, length: int, uncount: Callable[[], None]) -> None:
+    def __init__(self, region: mmap.mmap, offset: int, length: int, uncount: Callable[[], None]) -> None:
         self.region = weakref.ref(region, lambda _: _forget(self))
-        self.address = address
+        self.offset = offset  # where in the map the pages start
+        self.address = address(region) + offset
         self.length = length
         self.uncount = uncount  # takes the parked bytes off the ledger that counted them
 
@@ -69,18 +70,23 @@ def can_park() -> bool:
     return _moves_work
 
 
-def park(region: mmap.mmap, address: int, length: int, uncount: Callable[[], None]) -> None:
-    """Keep the pages of a just released buffer (``length`` bytes at ``address``, inside ``region``); the
+def address(region: mmap.mmap) -> int:
+    """Where ``region`` starts in this process's address space."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(region))
+
+
+def park(region: mmap.mmap, offset: int, length: int, uncount: Callable[[], None]) -> None:
+    """Keep the pages of a just released buffer (``length`` bytes at ``offset`` inside ``region``); the
     caller has counted them and ``uncount`` takes them off again. Beyond ``PARKED_BUFFERS`` the oldest
     parked buffer is emptied."""
     _drop(next((p for p in _parked if p.region() is region), None))
-    _parked.append(_Parked(region, address, length, uncount))
+    _parked.append(_Parked(region, offset, length, uncount))
     if len(_parked) > PARKED_BUFFERS:
         _drop(_parked[0])
 
 
-def take(region: mmap.mmap, address: int, length: int) -> bool:
-    """Give a released buffer (``length`` bytes at ``address``, no pages of its own) parked pages that fit
+def take(region: mmap.mmap, offset: int, length: int) -> bool:
+    """Give a released buffer (``length`` bytes at ``offset`` inside ``region``, no pages of its own) parked pages that fit
     it: its own, else another buffer's of the same length. False if none were taken."""
     global _moves_work
     own = next((p for p in _parked if p.region() is region), None)
@@ -90,10 +96,9 @@ def take(region: mmap.mmap, address: int, length: int) -> bool:
     parked = next((p for p in _parked if p.length == length), None)
     if parked is None:
         return False
-    moved = _LIBC.mremap(
-        parked.address, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP, address
-    )
-    if moved != address:  # an older kernel (no MREMAP_DONTUNMAP), or a map the kernel will not move
+    target = address(region) + offset
+    moved = _LIBC.mremap(parked.address, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP, target)
+    if moved != target:  # an older kernel (no MREMAP_DONTUNMAP), or a map the kernel will not move
         _moves_work = False
         flush()
         return False
@@ -112,7 +117,7 @@ def _drop(parked: Optional[_Parked]) -> None:
         return
     region = parked.region()
     if region is not None:
-        region.madvise(mmap.MADV_DONTNEED, 0, parked.length)
+        region.madvise(mmap.MADV_DONTNEED, parked.offset, parked.length)
     _forget(parked)
 
 
