@@ -440,6 +440,7 @@ def deepspeed_worker(args: argparse.Namespace) -> None:
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     if rank == 0:
         write_result(args, step_times, losses, int(figures[0]), int(figures[1]), None)
+    close_process_group()  # deepspeed.init_distributed leaves it open, as Lightning's DDP does
 
 
 def deepspeed_model_state(engine) -> int:

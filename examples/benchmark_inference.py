@@ -433,6 +433,7 @@ def deepspeed_worker(args) -> None:
             "model_bytes": sum(p.ds_numel * 4 for p in engine.module.parameters()), "budget_bytes": None,
             "bytes_read_per_token": None,
         }))  # fmt: skip
+    close_process_group()  # deepspeed.init_distributed leaves it open, as Lightning's DDP does
 
 
 def _importable(name: str) -> bool:

@@ -130,13 +130,14 @@ class OrderCheck:
             entry = self.ahead.popleft()
             for group in entry.groups:
                 group.pending = None
-            rows = entry.agreement.rows()
-            if any(row != rows[0] for row in rows):
+            try:
+                self._compare(entry.agreement.rows())
+            except ExecutionOrderError:
                 for later in self.ahead:  # never issued: the run ends here
                     for group in later.groups:
                         group.pending = None
                 self.ahead.clear()
-            self._compare(rows)
+                raise
             entry.issue_groups(entry.groups)
 
     def _compare(self, rows: list[list[int]]) -> None:

@@ -184,10 +184,8 @@ class Schedule:
         # Gathers in flight once this start is over. Gathers agreed on ahead are issued at the next start
         # (see [Note: checks run a unit ahead] in agreement.py), when the unit starting now is no longer
         # in flight: it is not counted then, so the same number of gathers is issued ahead of need.
-        inflight = sum(
-            1 for rt in self.units
-            if rt.group.pending is not None and not (rt is starting and self.check.checks_ahead)
-        )  # fmt: skip
+        issued_next = starting if self.check.checks_ahead else None
+        inflight = sum(1 for rt in self.units if rt.group.pending is not None and rt is not issued_next)
         chosen, budget = [], self.prefetch_numel
         for unit in trace[start:]:
             if unit.group.gathered or unit.group.pending is not None or unit in chosen:
