@@ -72,6 +72,7 @@ CATEGORIES = (
     OFFLOAD_HOST, OFFLOAD_NVME,
 )  # fmt: skip
 IN_MEMORY = tuple(c for c in CATEGORIES if c != OFFLOAD_NVME)
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
 @dataclass
@@ -326,7 +327,6 @@ class BufferPool:
         self.idle_bytes = 0
 
 
-HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 HEAP_MMAP_THRESHOLD = 4 << 20  # host temporaries at or above this size are maps of their own
 
