@@ -20,11 +20,12 @@ On the host, from glibc's ``mallinfo2()`` and the kernel:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from typing import Optional
 
 import torch
+
+from ..engine.libc import LIBC
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -36,9 +37,8 @@ class _Mallinfo2(ctypes.Structure):
 
 def _load_mallinfo2():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        function = libc.mallinfo2
-    except (OSError, AttributeError):
+        function = LIBC.mallinfo2  # glibc 2.33+
+    except AttributeError:  # another C library, an older glibc, or none (LIBC is None)
         return None
     function.restype = _Mallinfo2
     return function

@@ -46,7 +46,6 @@ most that was in use at once, plus what an earlier phase left idle (``trim`` han
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from contextlib import contextmanager
@@ -56,6 +55,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from . import parking
+from .libc import LIBC as _LIBC
 
 # Categories of bytes that the engine holds.
 PARAM_SHARDS = "param_shards"  # this rank's 1/N of every sharded parameter (the optimizer's parameters)
@@ -221,7 +221,6 @@ def reclaim(tensor: torch.Tensor) -> None:
 
 # -- what the kernel really holds ------------------------------------------------------------------
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True) if os.name == "posix" else None
 _PAGE = mmap.PAGESIZE
 
 

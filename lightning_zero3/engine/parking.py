@@ -28,13 +28,12 @@ before.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
-import os
 import weakref
 from typing import Any, Callable, Optional
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True) if os.name == "posix" else None
+from .libc import LIBC as _LIBC
+
 if _LIBC is not None:
     _LIBC.mremap.restype = ctypes.c_void_p
     _LIBC.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
