@@ -369,6 +369,8 @@ def accelerate_worker(name: str, args) -> None:
     budget = int(model_bytes * int(name.split("_")[-1]) / 100)
     device_map = infer_auto_device_map(model, max_memory={"cpu": budget, "disk": 10 * model_bytes},
                                        no_split_module_classes=["LlamaDecoderLayer"])  # fmt: skip
+    if list(device_map) == [""]:  # a model too small to split is mapped whole, and dispatch_model then writes
+        device_map = {name: device_map[""] for name, _ in model.named_children()}  # no offload index: name its parts
     folder = Path(tempfile.mkdtemp(dir=args.nvme_path, prefix="accelerate-offload-"))
     try:
         model = dispatch_model(model, device_map=device_map, offload_dir=str(folder))
