@@ -43,7 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from processes import close_process_group, free_port, peak_rss  # noqa: E402
+from processes import close_process_group, peak_rss, read_result, run_ranks  # noqa: E402
 
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_hpz", "zero3_int8", "zero3_hpz_int8")
 ONE_NODE = "zero3,ddp,fsdp2,deepspeed"
@@ -132,23 +132,18 @@ def launch(strategy: str, args: argparse.Namespace) -> dict | str:
 
             code, output = run_as_nodes(worker, args.nodes, args.devices, env, timeout=3600)
         elif strategy == "deepspeed":
-            port = free_port()
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.devices}",
-                   f"--master-port={port}", *worker]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-            code, output = done.returncode, done.stderr or done.stdout
+            code, output = run_ranks(worker, args.devices, env, timeout=3600)
         else:
             done = subprocess.run([sys.executable, *worker], capture_output=True, text=True, env=env, timeout=3600)
             code, output = done.returncode, done.stderr or done.stdout
-        if code != 0 or not result.exists():
-            return f"failed (exit {code}): {output[-1500:]}"
-        return json.loads(result.read_text())
+        return read_result(result, code, output, exit_may_fail=strategy == "deepspeed")
 
 
 def describe(outcome: dict | str) -> str:
     if isinstance(outcome, str):
         return outcome
-    return f"median step {statistics.median(outcome['step_times']):.3f} s"
+    exit = f" ({outcome['exit']})" if "exit" in outcome else ""
+    return f"median step {statistics.median(outcome['step_times']):.3f} s{exit}"
 
 
 def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> dict:

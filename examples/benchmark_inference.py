@@ -39,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from processes import close_process_group, free_port, peak_rss  # noqa: E402
+from processes import close_process_group, peak_rss, read_result, run_ranks  # noqa: E402
 
 PART1 = ("zero3_full", "zero3_half", "zero3_zero", "ddp", "deepspeed")
 PART2 = ("zero3_nvme_25", "zero3_nvme_50", "zero3_nvme_75", "zero3_nvme_100", "accelerate_25", "accelerate_50",
@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def _short(outcome: dict) -> str:
-    return f"{outcome['tokens_per_s']:.1f} tokens/s"
+    return f"{outcome['tokens_per_s']:.1f} tokens/s" + (f" ({outcome['exit']})" if "exit" in outcome else "")
 
 
 def launch(name: str, args) -> dict | str:
@@ -114,17 +114,15 @@ def launch(name: str, args) -> dict | str:
     forwarded = ["--layers", str(args.layers), "--nvme-layers", str(args.nvme_layers), "--batch", str(args.batch),
                  "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--nvme-batch",
                  str(args.nvme_batch), "--nvme-new-tokens", str(args.nvme_new_tokens), "--nvme-path", args.nvme_path]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(HERE / "benchmark_inference.py"), *forwarded, "--worker", name, "--out", tmp]
+        worker = [str(HERE / "benchmark_inference.py"), *forwarded, "--worker", name, "--out", tmp]
         if name == "deepspeed":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-                   *cmd[1:]]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                              timeout=7200)  # fmt: skip
-        result = Path(tmp) / "result.json"
-        if done.returncode != 0 or not result.exists():
-            return f"failed (exit {done.returncode}): {(done.stderr or done.stdout)[-1500:]}"
-        return json.loads(result.read_text())
+            code, output = run_ranks(worker, 2, env, timeout=7200)
+        else:
+            done = subprocess.run([sys.executable, *worker], capture_output=True, text=True, env=env, timeout=7200)
+            code, output = done.returncode, done.stderr or done.stdout
+        return read_result(Path(tmp) / "result.json", code, output, exit_may_fail=name == "deepspeed")
 
 
 def summarize(rows: dict[str, list], disk: dict | None, args) -> dict:

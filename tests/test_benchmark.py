@@ -32,3 +32,17 @@ def test_benchmark_table_and_json(tmp_path):
     assert rows["ddp"]["step_time_x_ddp"] == 1.0
     assert 0 <= rows["zero3"]["exposed_comm_share"] <= 1
     assert "x DDP" in done.stdout and "zero3" in done.stdout
+
+
+def test_a_failed_exit_fails_the_run_unless_the_worker_may_fail_at_exit(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from processes import read_result
+
+    result = tmp_path / "result.json"
+    assert read_result(result, 0, "Traceback: boom", exit_may_fail=True).startswith("failed (exit 0): Traceback")
+    result.write_text(json.dumps({"tokens_per_s": 3.0}))
+    assert read_result(result, 0, "") == {"tokens_per_s": 3.0}
+    aborted = "[rank 0] terminate called without an active exception"
+    assert read_result(result, -6, aborted) == f"failed (exit -6): {aborted}"  # zero3's own workers exit cleanly
+    outcome = read_result(result, -6, aborted, exit_may_fail=True)  # DeepSpeed's ranks: the result counts
+    assert outcome["tokens_per_s"] == 3.0 and outcome["exit"].startswith("exit -6 after its result was written")
