@@ -4,7 +4,8 @@
 and ``pytorch_lightning`` when that package is installed), so ``Trainer(strategy="zero3")`` works.
 """
 
-from .config import UnsupportedPrecisionError, Zero3Config, Zero3ConfigError
+from .config import Zero3Config
+from .errors import UnsupportedPrecisionError, Zero3ConfigError
 from .engine import (
     ExecutionOrderError,
     NoTrainableParametersError,

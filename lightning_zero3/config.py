@@ -18,6 +18,9 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from .deepspeed_config import merge, translate
+from .errors import Zero3ConfigError
+
 #: What ``unit_modules`` accepts: module classes, class names (``"Block"`` or ``"pkg.mod.Block"``), or a
 #: callable ``(module) -> bool`` that says whether a module is its own unit.
 UnitPolicy = Union[None, Callable[[nn.Module], bool], "list[Union[type, str]]", "tuple[Union[type, str], ...]"]
@@ -25,19 +28,11 @@ UnitPolicy = Union[None, Callable[[nn.Module], bool], "list[Union[type, str]]", 
 _BACKENDS = (None, "gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
 
 
-class Zero3ConfigError(ValueError):
-    """A zero3 setting is unknown or out of range; the message names the setting and the fix."""
-
-
 #: Values of Lightning's ``precision=`` flag that zero3 runs.
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 #: Names accepted for dtype settings.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class UnsupportedPrecisionError(ValueError):
-    """The ``precision`` flag asks for something zero3 does not run; the message lists what works."""
 
 
 @dataclass(frozen=True)
@@ -246,8 +241,6 @@ class Zero3Config:
     def from_deepspeed(cls, source: Any, **overrides: Any) -> "Zero3Config":
         """Translate a DeepSpeed config (dict or JSON path; full, or its ``zero_optimization`` block), knob
         by knob; ``overrides`` win. Settings with no meaning here are named in a warning (``deepspeed_config.py``)."""
-        from .deepspeed_config import merge, translate
-
         return cls.from_kwargs(**merge(translate(source), overrides))
 
 

@@ -32,7 +32,8 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 
-from .config import DTYPES, SUPPORTED_PRECISION, UnsupportedPrecisionError
+from .config import DTYPES, SUPPORTED_PRECISION
+from .errors import UnsupportedPrecisionError
 from .engine import Zero3Engine
 from .engine.scaler import ShardedLossScaler
 from .engine.shard import DtypePolicy

@@ -43,7 +43,8 @@ from torch import Tensor, nn
 import lightning.pytorch as pl
 
 from .checkpointing import CheckpointingMixin
-from .config import Zero3Config, Zero3ConfigError, default_nvme_path
+from .config import Zero3Config, default_nvme_path
+from .errors import Zero3ConfigError
 from .checkpoint.export import save_full_weights
 from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .knobs import DEFAULTS, build_config, knob_docstring

@@ -9,10 +9,13 @@ per rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from .shard import ParamSlot
+if TYPE_CHECKING:  # named in annotations only: shard.py's offload imports this module's error
+    from .shard import ParamSlot
 
 
 class OptimizerShardingError(ValueError):

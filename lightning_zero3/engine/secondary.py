@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from ..config import Zero3ConfigError
+from ..errors import Zero3ConfigError
 from .memory import SECONDARY_SHARDS, ByteLedger, reclaim, releasable_buffer, release
 
 if TYPE_CHECKING:
