@@ -1,6 +1,7 @@
 """Generation under zero3's inference residency, against the peers, in one run.
 
     python examples/benchmark_inference.py                  # ~20 minutes on 2 CPU cores
+    python examples/benchmark_inference.py --nvme-layers 0  # part 1 alone; --layers 0: part 2 alone
     python examples/benchmark_inference.py --runs 1 --new-tokens 8 --layers 2 --nvme-layers 2   # a quick look
 
 Part 1, 2 ranks, a Llama-style Hugging Face model of 101M parameters (random init, fp32): greedy
@@ -15,7 +16,8 @@ Part 2, one process, a model of 129M parameters (516 MB of fp32 weights) with it
 from the swap files for every forward call; at 100% every unit stays resident (read once per stage), which
 is how fast the model computes on this machine with nothing streamed. Per row: tokens/s, the bytes read
 from disk per generated token, the disk's own sequential read bandwidth measured right before each run (a
-1 GB file read cold through the same calls: it drifts by up to 2x on this machine), the bound that
+1 GB file read cold through the same calls, into a page-aligned buffer as zero3's, so with ``O_DIRECT``:
+it drifts by up to 1.5x on this machine), the bound that
 bandwidth sets (bandwidth / bytes per token), and the ratio of tokens/s to the bound of the run: the
 lower of the disk's bound and the all-resident speed (a run that reads little from disk is held by its
 compute, not by the disk). The peer row is Hugging Face accelerate's big-model inference with the same budget as
@@ -50,7 +52,7 @@ RESIDENT = "zero3_nvme_100"  # every unit resident: read from disk once per stag
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--layers", type=int, default=14, help="part 1: decoder layers (hidden 768)")
+    p.add_argument("--layers", type=int, default=14, help="part 1: decoder layers (hidden 768); 0 skips part 1")
     p.add_argument("--nvme-layers", type=int, default=10, help="part 2: decoder layers (hidden 1024); 0 skips part 2")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=64)
@@ -78,7 +80,7 @@ def model_config(layers: int, hidden: int, vocab: int = 8192):
 
 def main(args: argparse.Namespace) -> dict:
     rows: dict[str, list] = {}
-    parts = [PART1] + ([PART2] if args.nvme_layers else [])
+    parts = ([PART1] if args.layers else []) + ([PART2] if args.nvme_layers else [])
     disks: list[float] = []  # the disk's read bandwidth, measured right before each part 2 run (it drifts)
     for part in parts:
         for run in range(args.runs):
@@ -189,6 +191,16 @@ def _body(names: tuple, rows: dict, cells, width: int) -> list[tuple]:
 
 def table(summary: dict, args) -> str:
     rows = summary["rows"]
+    lines: list[str] = []
+    if any(name in rows for name in PART1):
+        lines += _part1_table(rows, args)
+    if any(name in rows for name in PART2):
+        lines += [""] if lines else []
+        lines += _part2_table(rows, summary["disk"], args)
+    return "\n".join(lines)
+
+
+def _part1_table(rows: dict, args) -> list[str]:
     lines = [f"Part 1: 2 CPU ranks, Llama-style model, greedy generation with a KV cache, batch {args.batch} per rank, "
              f"prompt {args.prompt}, {args.new_tokens} new tokens; median of {args.runs} runs"]  # fmt: skip
     head = ("row", "budget MiB", "tokens/s", "x DDP", "x budget 0", "peak RSS MiB")
@@ -199,26 +211,25 @@ def table(summary: dict, args) -> str:
                 f"{row.get('x_ddp', float('nan')):.2f}", f"{row.get('x_zero_budget', float('nan')):.2f}",
                 f"{row['peak_rss'] / 2**20:.0f}")  # fmt: skip
 
-    lines += _grid(head, _body(PART1, rows, part1, len(head)))
-    if any(name in rows for name in PART2):
-        disk = summary["disk"]
-        lines.append("")
-        lines.append(f"Part 2: one process, cold units on NVMe, batch {args.nvme_batch}, {args.nvme_new_tokens} new tokens; "
-                     f"the disk reads {disk['read_GBps']:.2f} GB/s cold (median of {args.runs * len(PART2)} "
-                     f"measurements, one right before each run: {disk['min_GBps']:.2f}-{disk['max_GBps']:.2f}); "
-                     f"bound: the disk's bound of each run (measured right before it), or {RESIDENT}'s speed where lower")  # fmt: skip
-        head = ("row", "budget", "tokens/s", "MB read/token", "disk bound tokens/s", "bound tokens/s", "x bound",
-                "x accelerate", "peak RSS MiB")  # fmt: skip
+    return lines + _grid(head, _body(PART1, rows, part1, len(head)))
 
-        def part2(name: str, row: dict) -> tuple:
-            per_token = row.get("bytes_read_per_token")
-            return (name, name.rsplit("_", 1)[1] + "%", f"{row['tokens_per_s']:.2f}",
-                    "" if per_token is None else f"{per_token / 1e6:.1f}",
-                    _figure(row, "disk_bound_tokens_per_s"), _figure(row, "bound_tokens_per_s"),
-                    _figure(row, "x_bound"), _figure(row, "x_accelerate"), f"{row['peak_rss'] / 2**20:.0f}")  # fmt: skip
 
-        lines += _grid(head, _body(PART2, rows, part2, len(head)))
-    return "\n".join(lines)
+def _part2_table(rows: dict, disk: dict, args) -> list[str]:
+    lines = [f"Part 2: one process, cold units on NVMe, batch {args.nvme_batch}, {args.nvme_new_tokens} new tokens; "
+             f"the disk reads {disk['read_GBps']:.2f} GB/s cold (median of {args.runs * len(PART2)} "
+             f"measurements, one right before each run: {disk['min_GBps']:.2f}-{disk['max_GBps']:.2f}); "
+             f"bound: the disk's bound of each run (measured right before it), or {RESIDENT}'s speed where lower"]  # fmt: skip
+    head = ("row", "budget", "tokens/s", "MB read/token", "disk bound tokens/s", "bound tokens/s", "x bound",
+            "x accelerate", "peak RSS MiB")  # fmt: skip
+
+    def part2(name: str, row: dict) -> tuple:
+        per_token = row.get("bytes_read_per_token")
+        return (name, name.rsplit("_", 1)[1] + "%", f"{row['tokens_per_s']:.2f}",
+                "" if per_token is None else f"{per_token / 1e6:.1f}",
+                _figure(row, "disk_bound_tokens_per_s"), _figure(row, "bound_tokens_per_s"),
+                _figure(row, "x_bound"), _figure(row, "x_accelerate"), f"{row['peak_rss'] / 2**20:.0f}")  # fmt: skip
+
+    return lines + _grid(head, _body(PART2, rows, part2, len(head)))
 
 
 def _figure(row: dict, key: str) -> str:
@@ -238,6 +249,7 @@ def _grid(head: tuple, body: list) -> list[str]:
 
 
 def measure_disk(folder: Path, nbytes: int = 1 << 30) -> dict:
+    from lightning_zero3.engine.memory import host_buffer
     from lightning_zero3.engine.offload.aio import AsyncFileIO
     from lightning_zero3.engine.offload.resources import IO_THREADS
     from lightning_zero3.engine.offload.swapdir import SwapDirectory
@@ -247,7 +259,9 @@ def measure_disk(folder: Path, nbytes: int = 1 << 30) -> dict:
     try:
         file = swap.create("disk-probe", nbytes)
         io = AsyncFileIO(400_000_000, threads=IO_THREADS)
-        buffer = torch.ones(nbytes // 4)
+        # a buffer like the ones zero3 reads its swap files into (page-aligned, so read with O_DIRECT):
+        # torch.ones' heap memory sits 64 bytes past a page, and its reads went through the page cache
+        buffer = host_buffer(nbytes // 4, torch.float32).fill_(1.0)
         io.wait(io.write(file, buffer))
         os.fsync(file.fd)
         os.posix_fadvise(file.fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
