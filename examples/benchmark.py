@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from processes import close_process_group, peak_rss, read_result, run_ranks  # noqa: E402
+from processes import close_process_group, exit_note, peak_rss, read_result, run_worker  # noqa: E402
 
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_hpz", "zero3_int8", "zero3_hpz_int8")
 ONE_NODE = "zero3,ddp,fsdp2,deepspeed"
@@ -131,19 +130,15 @@ def launch(strategy: str, args: argparse.Namespace) -> dict | str:
             from nodes import run_as_nodes
 
             code, output = run_as_nodes(worker, args.nodes, args.devices, env, timeout=3600)
-        elif strategy == "deepspeed":
-            code, output = run_ranks(worker, args.devices, env, timeout=3600)
         else:
-            done = subprocess.run([sys.executable, *worker], capture_output=True, text=True, env=env, timeout=3600)
-            code, output = done.returncode, done.stderr or done.stdout
+            code, output = run_worker(worker, env, timeout=3600, ranks=args.devices if strategy == "deepspeed" else 0)
         return read_result(result, code, output, exit_may_fail=strategy == "deepspeed")
 
 
 def describe(outcome: dict | str) -> str:
     if isinstance(outcome, str):
         return outcome
-    exit = f" ({outcome['exit']})" if "exit" in outcome else ""
-    return f"median step {statistics.median(outcome['step_times']):.3f} s{exit}"
+    return f"median step {statistics.median(outcome['step_times']):.3f} s{exit_note(outcome)}"
 
 
 def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> dict:

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from processes import close_process_group, peak_rss, read_result, run_ranks  # noqa: E402
+from processes import close_process_group, exit_note, peak_rss, read_result, run_worker  # noqa: E402
 
 PART1 = ("zero3_full", "zero3_half", "zero3_zero", "ddp", "deepspeed")
 PART2 = ("zero3_nvme_25", "zero3_nvme_50", "zero3_nvme_75", "zero3_nvme_100", "accelerate_25", "accelerate_50",
@@ -104,7 +103,7 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def _short(outcome: dict) -> str:
-    return f"{outcome['tokens_per_s']:.1f} tokens/s" + (f" ({outcome['exit']})" if "exit" in outcome else "")
+    return f"{outcome['tokens_per_s']:.1f} tokens/s{exit_note(outcome)}"
 
 
 def launch(name: str, args) -> dict | str:
@@ -119,11 +118,7 @@ def launch(name: str, args) -> dict | str:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory() as tmp:
         worker = [str(HERE / "benchmark_inference.py"), *forwarded, "--worker", name, "--out", tmp]
-        if name == "deepspeed":
-            code, output = run_ranks(worker, 2, env, timeout=7200)
-        else:
-            done = subprocess.run([sys.executable, *worker], capture_output=True, text=True, env=env, timeout=7200)
-            code, output = done.returncode, done.stderr or done.stdout
+        code, output = run_worker(worker, env, timeout=7200, ranks=2 if name == "deepspeed" else 0)
         return read_result(Path(tmp) / "result.json", code, output, exit_may_fail=name == "deepspeed")
 
 

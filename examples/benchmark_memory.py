@@ -27,7 +27,6 @@ import atexit
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from processes import close_process_group, peak_rss  # noqa: E402
+from processes import close_process_group, peak_rss, run_worker  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp2", "zero3", "zero3_offload", "zero3_offload_nvme")
 CAPACITY = ("zero3", "zero3_offload_nvme")
@@ -85,14 +84,13 @@ def main(args: argparse.Namespace) -> dict:
 
 def launch(strategy: str, devices: int, layers: int, width: int, args) -> list | str:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(HERE / "benchmark_memory.py"), "--worker", strategy, "--devices", str(devices),
-               "--n-layer", str(layers), "--n-embd", str(width), "--steps", str(args.steps),
-               "--nvme-path", args.nvme_path, "--out", tmp]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                              timeout=7200)  # fmt: skip
+        worker = [str(HERE / "benchmark_memory.py"), "--worker", strategy, "--devices", str(devices),
+                  "--n-layer", str(layers), "--n-embd", str(width), "--steps", str(args.steps),
+                  "--nvme-path", args.nvme_path, "--out", tmp]  # fmt: skip
+        code, output = run_worker(worker, {**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=7200)
         ranks = sorted(Path(tmp).glob("rank*.json"))
-        if done.returncode != 0 or len(ranks) != devices:
-            return f"failed (exit {done.returncode}): {(done.stderr or done.stdout)[-1500:]}"
+        if code != 0 or len(ranks) != devices:
+            return f"failed (exit {code}): {output[-1500:]}"
         return [json.loads(r.read_text()) for r in ranks]
 
 

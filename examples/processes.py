@@ -1,5 +1,6 @@
 """Small helpers the benchmark scripts share: a free port, a process's whole-run peak memory, closing the
-process group a worker's strategy left open, and running a peer's ranks under torchrun."""
+process group a worker's strategy left open, running a worker (alone, or its ranks under torchrun) and
+reading what it wrote."""
 
 from __future__ import annotations
 
@@ -36,18 +37,22 @@ def close_process_group() -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(worker: list[str], nprocs: int, env: dict, timeout: float) -> tuple[int, str]:
-    """Run ``worker`` (a script and its arguments) on ``nprocs`` ranks under torchrun, DeepSpeed's peer
-    rows' launcher. Returns the exit code and what the ranks wrote to stderr, each rank's in its own file
-    first: torchrun's own failure summary names only the signal, and it used to push the ranks' last
-    lines out of the tail a failed row shows."""
+def run_worker(worker: list[str], env: dict, timeout: float, ranks: int = 0) -> tuple[int, str]:
+    """Run ``worker`` (a script and its arguments) in a process of its own, or with ``ranks`` under
+    torchrun (DeepSpeed's peer rows' launcher). Returns the exit code and what the worker wrote to
+    stderr (else stdout). Under torchrun each rank's stderr goes to a file of its own and is what comes
+    back: torchrun's own failure summary names only the signal, and it used to push the ranks' last lines
+    out of the tail a failed row shows."""
+    if not ranks:
+        done = subprocess.run([sys.executable, *worker], capture_output=True, text=True, env=env, timeout=timeout)
+        return done.returncode, done.stderr or done.stdout
     with tempfile.TemporaryDirectory() as logs:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                f"--master-port={free_port()}", f"--log-dir={logs}", "--redirects=3", *worker]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-        ranks = sorted(Path(logs).rglob("stderr.log"), key=lambda file: int(file.parent.name))
-        said = [f"[rank {file.parent.name}] {file.read_text()[-700:].strip()}" for file in ranks if file.read_text().strip()]
-    return done.returncode, "\n".join(said) or done.stderr or done.stdout
+        files = sorted(Path(logs).rglob("stderr.log"), key=lambda file: int(file.parent.name))
+        said = {file.parent.name: file.read_text()[-700:].strip() for file in files}
+    return done.returncode, "\n".join(f"[rank {rank}] {text}" for rank, text in said.items() if text) or done.stderr or done.stdout
 
 
 def read_result(result: Path, code: int, output: str, exit_may_fail: bool = False) -> dict | str:
@@ -63,3 +68,8 @@ def read_result(result: Path, code: int, output: str, exit_may_fail: bool = Fals
     if code != 0:
         outcome["exit"] = f"exit {code} after its result was written: {output.strip()[-300:]}"
     return outcome
+
+
+def exit_note(outcome: dict) -> str:
+    """What a run's line adds for a result that ``read_result`` kept despite a failed exit ("" if none)."""
+    return f" ({outcome['exit']})" if "exit" in outcome else ""
