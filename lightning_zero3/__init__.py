@@ -17,6 +17,7 @@ from .engine import (
     unshard,
 )
 from .checkpoint.export import save_full_weights
+from .pretrained import CheckpointFileError, CheckpointMismatchError, PeerLoadError, load_pretrained
 from .precision import Zero3Precision
 from .registration import register_strategies
 from .strategy import Zero3Strategy
@@ -26,10 +27,13 @@ __version__ = "0.1.0"
 register_strategies()
 
 __all__ = [
+    "CheckpointFileError",
+    "CheckpointMismatchError",
     "ExecutionOrderError",
     "NoTrainableParametersError",
     "OptimizerShardingError",
     "ParameterNotGatheredError",
+    "PeerLoadError",
     "UnsupportedPrecisionError",
     "Zero3Config",
     "Zero3ConfigError",
@@ -38,6 +42,7 @@ __all__ = [
     "Zero3Strategy",
     "engine_of",
     "gathered_parameters",
+    "load_pretrained",
     "save_full_weights",
     "unshard",
 ]

@@ -385,15 +385,17 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
             self.model = self.lightning_module
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-        if engine is not None and self._failed:
+        if self._failed:
             # After an exception other ranks may be gone, so no collective may run: unhook and leave the
-            # weights sharded. The base teardown would move the module to CPU, reading every (released)
-            # weight and hiding the real error behind ours, so it runs with the module detached.
-            self._engine = None
-            if self._precision_plugin is not None:
-                self._precision_plugin.engine = None
-            engine.hooks.remove()
-            engine.release_offload()  # swap files go; no collective involved
+            # weights sharded. The base teardown would move the module to CPU, reading every (released, or
+            # still meta: the engine failed while being built) weight and hiding the real error behind
+            # ours, so it runs with the module detached.
+            if engine is not None:
+                self._engine = None
+                if self._precision_plugin is not None:
+                    self._precision_plugin.engine = None
+                engine.hooks.remove()
+                engine.release_offload()  # swap files go; no collective involved
             self._lightning_module = None
             try:
                 super().teardown()

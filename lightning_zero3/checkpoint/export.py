@@ -16,30 +16,21 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..engine import Zero3Engine
-from ..engine.engine import _ENGINE_ATTR, engine_of
+from ..engine.engine import owning_engine
+from .adapters import LoraMerge, adapter_values, lora_merge, merged
 from .hf import DEFAULT_MAX_SHARD, find_hf_model, hf_configuration, write_hf_directory
 from .writers import TensorEntry, write_safetensors, write_torch
 
 FORMATS = ("pt", "safetensors", "hf")
 
 
-def _engine_for(module: nn.Module) -> Optional[Zero3Engine]:
-    engine = engine_of(module)
-    if engine is not None:
-        return engine
-    for p in module.parameters():  # a submodule of a sharded module
-        ref = getattr(p, _ENGINE_ATTR, None)
-        if ref is not None and ref() is not None:
-            return ref()
-    return None
-
-
 def save_full_weights(
     module: nn.Module, path: Union[str, "os.PathLike[str]"], prefix: Optional[str] = None, fmt: Optional[str] = None,
-    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD, merge_adapters: Optional[bool] = None,
 ) -> Path:
     """Write ``module``'s full weights (its ``state_dict``, parameters in the master dtype) to ``path``.
 
@@ -48,8 +39,10 @@ def save_full_weights(
     split above ``max_shard_size``; see ``hf.py``); by default from the suffix (a path without one is a
     Hugging Face directory when the module wraps such a model). ``prefix``: keep only the names that start
     with it, without it (``prefix="model."`` turns a LightningModule's ``model.wte.weight`` into
-    ``wte.weight``; for ``"hf"`` the wrapped model's own names are the default). Call it on every rank
-    (rank 0 writes); works on modules that are not sharded too."""
+    ``wte.weight``; for ``"hf"`` the wrapped model's own names are the default). ``merge_adapters``
+    (default: for ``"hf"``): peft LoRA adapters are added into their base weights and not written, so a
+    fine-tuned ``PeftModel`` exports as the merged Hugging Face model (``adapters.py``). Call it on every
+    rank (rank 0 writes); works on modules that are not sharded too."""
     path = Path(path)
     hf = find_hf_model(module)
     fmt = fmt or ("safetensors" if path.suffix == ".safetensors" else "pt" if path.suffix or hf is None else "hf")
@@ -62,9 +55,11 @@ def save_full_weights(
         )
     if prefix is None:
         prefix = hf[0] if fmt == "hf" and hf is not None else ""
-    engine = _engine_for(module)
-    writing = engine is None or engine.comm.rank == 0
-    entries, values = _plan(module, engine, prefix)
+    engine = owning_engine(module)
+    rank, world = _ranks(engine)  # under DDP too: one rank writes, the others wait for its outcome
+    writing = rank == 0
+    merge = lora_merge(module) if (fmt == "hf" if merge_adapters is None else merge_adapters) else None
+    entries, values = _plan(module, engine, prefix, merge)
     if not entries:
         raise ValueError(f"zero3: no tensor of the module has a name starting with {prefix!r}.")
     staging = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
@@ -83,27 +78,47 @@ def save_full_weights(
                 pass
     except Exception as failure:  # noqa: BLE001 - reported to every rank below
         error = f"{type(failure).__name__}: {failure}"
-        if engine is None or engine.comm.world_size == 1:
+        if world == 1:
             raise
         for _ in values:  # the other ranks still gather the remaining units: take part
             pass
     finally:
         staging.unlink(missing_ok=True)
-    if engine is not None and engine.comm.world_size > 1:
-        errors = [e for e in engine.comm.all_gather_objects(error) if e]
+    if world > 1:
+        errors = [e for e in _all_gather_objects(engine, error) if e]
         if errors:
             raise RuntimeError(f"zero3: writing full weights to {path} failed on rank 0: {errors[0]}")
     return path
 
 
-def _plan(module: nn.Module, engine: Optional[Zero3Engine], prefix: str) -> tuple[list[TensorEntry], Iterator[torch.Tensor]]:
+def _ranks(engine: Optional[Zero3Engine]) -> tuple[int, int]:
+    if engine is not None:
+        return engine.comm.rank, engine.comm.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather_objects(engine: Optional[Zero3Engine], obj) -> list:
+    if engine is not None:
+        return engine.comm.all_gather_objects(obj)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def _plan(
+    module: nn.Module, engine: Optional[Zero3Engine], prefix: str, merge: Optional[LoraMerge] = None
+) -> tuple[list[TensorEntry], Iterator[torch.Tensor]]:
     """The file's tensors, in the order their values come: the engine's units one after the other, then
-    buffers and anything not sharded."""
+    buffers and anything not sharded. With ``merge``, LoRA adapters are added into their base weights
+    (``adapters.py``)."""
     own = module.state_dict(keep_vars=True)
     names_of: dict[int, list[str]] = {}
     for name, value in own.items():
-        if name.startswith(prefix):
-            names_of.setdefault(id(value), []).append(name[len(prefix) :])
+        exported = merge.exported_name(name) if merge is not None else name
+        if exported is not None and exported.startswith(prefix):
+            names_of.setdefault(id(value), []).append(exported[len(prefix) :])
     sharded = engine.slots if engine is not None else {}
     entries: list[TensorEntry] = []
     units = []
@@ -122,14 +137,21 @@ def _plan(module: nn.Module, engine: Optional[Zero3Engine], prefix: str) -> tupl
             entries.append(TensorEntry(names_of[id(value)], list(value.shape), value.dtype))
 
     def values() -> Iterator[torch.Tensor]:
+        adapters = adapter_values(merge, engine) if merge is not None else {}
+
+        def final(key: int, value: torch.Tensor) -> torch.Tensor:
+            if merge is not None and key in merge.deltas:
+                value = merged(value, merge.deltas[key], adapters)
+            return value.cpu()
+
         for group, slots in units:
             with group.gathered_master() as master:
                 for slot in slots:
-                    yield master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).cpu()
+                    yield final(id(slot.param), master[slot.offset : slot.offset + slot.numel].view(slot.param.shape))
         done: set = set()
         for key, value in plain:
             if id(value) not in done:
                 done.add(id(value))
-                yield value.detach().cpu()
+                yield final(id(value), value.detach())
 
     return entries, values()

@@ -23,14 +23,15 @@ import torch
 from torch import nn
 
 from ..config import Zero3Config, parse_budget
-from . import gradients, parking
+from . import gradients, parking, sources
 from .agreement import OrderCheck
 from .comm import Communicator
 from .grads import ReductionQueue
 from .hooks import HookManager
+from .loading import load_sources
 from .materialize import InitFn, Materializer, has_meta_tensors
 from .memory import (
-    GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, drop_pages, map_large_temporaries,
+    GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, map_large_temporaries,
     optimizer_state_bytes, resident_bytes, return_free_heap,
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
@@ -40,6 +41,7 @@ from .runtime import UnitRuntime
 from .schedule import Schedule
 from .secondary import SecondaryShard, resolve_size
 from .shard import DtypePolicy, FlatGroup, ParamSlot
+from .sources import TensorValue
 from .state import full_optimizer_state, load_full_optimizer_state
 from .units import plan_units
 
@@ -55,6 +57,18 @@ _ENGINES: "weakref.WeakKeyDictionary[nn.Module, Zero3Engine]" = weakref.WeakKeyD
 def engine_of(module: nn.Module) -> Optional["Zero3Engine"]:
     """The engine that shards ``module`` (None if it is not sharded)."""
     return _ENGINES.get(module)
+
+
+def owning_engine(module: nn.Module) -> Optional["Zero3Engine"]:
+    """The engine that shards ``module`` or the model ``module`` is part of (None if neither is sharded)."""
+    engine = engine_of(module)
+    if engine is not None:
+        return engine
+    for p in module.parameters():
+        ref = getattr(p, _ENGINE_ATTR, None)
+        if ref is not None and ref() is not None:
+            return ref()
+    return None
 
 
 class NoTrainableParametersError(ValueError):
@@ -89,7 +103,13 @@ class Zero3Engine:
         self.host_sized = self.device.type == "cpu" and self.config.offload_optimizer is not None
         if self.host_sized:
             map_large_temporaries()  # [Note: large temporaries are mapped] in memory.py
-        materializer = Materializer(module, self.device, init_fn, self.comm.rank == 0) if meta else None
+        # values a checkpoint will supply (load_pretrained on the meta model): see [Note: loading straight
+        # into shards] in sources.py
+        pending = sources.take(module)
+        materializer = (
+            Materializer(module, self.device, init_fn, self.comm.rank == 0, pending.params, pending.buffers)
+            if meta else None
+        )  # fmt: skip
         if self.config.sync_module_states or meta:
             self._broadcast_buffers()
 
@@ -109,7 +129,7 @@ class Zero3Engine:
                 name = spec.path or "<root>"
                 group = FlatGroup(
                     name, spec.params, self.comm, self.ledger, self.pool, self.device, False, sync, dtypes,
-                    materializer=materializer, offload=self.offload,
+                    materializer=materializer, offload=self.offload, loaded=pending.params,
                 )
                 runtime = UnitRuntime(name, group, self.comm)
                 runtime.maybe_release()  # before the next unit is built: one unit in full at a time
@@ -122,7 +142,7 @@ class Zero3Engine:
         if self.plan.persistent:
             group = FlatGroup(
                 "<persistent>", self.plan.persistent, self.comm, self.ledger, self.pool, self.device, True, sync,
-                dtypes, materializer=materializer, offload=self.offload,
+                dtypes, materializer=materializer, offload=self.offload, loaded=pending.params,
             )
             self.persistent = UnitRuntime(group.name, group, self.comm)
         if materializer is not None:
@@ -136,6 +156,8 @@ class Zero3Engine:
                 self.slots[id(slot.param)] = slot
                 self._slot_of_shard[id(slot.shard_param)] = (runtime.group, slot)
                 setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
+        if pending:
+            load_sources(self, pending)
         self._route_gathers(self.config)
         cfg = self.config
         self.order_check = OrderCheck([rt.group for rt in self.runtimes], self.comm)
@@ -444,21 +466,22 @@ class Zero3Engine:
         """Load full (unsharded) weights: each rank keeps its slice, in the master dtype (under NVMe written
         straight to the swap files). Buffers are copied. ``state_dict`` may be memory-mapped from a file
         (``torch.load(..., mmap=True)``): each tensor's pages are dropped once its slice is taken."""
-        self.settle()
         own = self.module.state_dict(keep_vars=True)
         missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
         if strict and (missing or unexpected):
             raise KeyError(f"zero3: state dict does not fit the model: missing {missing}, unexpected {unexpected}.")
-        with torch.no_grad():
-            for name, value in state_dict.items():
-                target = own.get(name)
-                slot = self.slots.get(id(target)) if target is not None else None
-                if slot is not None:
-                    self.group_of(slot.shard_param)[0].load_slice(slot, value)
-                elif target is not None:
-                    target.copy_(value)
-                drop_pages(value)
-        self.after_states_loaded()
+        buffers = {id(b): (id(m), name) for m in self.module.modules() for name, b in m._buffers.items() if b is not None}
+        values = sources.PendingValues()
+        for name, value in state_dict.items():
+            target = own.get(name)
+            if target is None:
+                continue
+            source = TensorValue(value, f"the state dict's {name}")
+            if id(target) in self.slots:
+                values.params[id(target)] = source
+            elif id(target) in buffers:
+                values.buffers[buffers[id(target)]] = source
+        load_sources(self, values)
 
     def refresh_gathered(self) -> None:
         """The shards changed under the model: secondary shards go, full copies alive right now are gathered anew."""

@@ -9,7 +9,10 @@ its units on the meta parameters as on real ones, then builds each unit's flat g
    other meta parameters of the same modules (small, *persistent* ones) get buffers of their own;
 2. on rank 0 only, each module that owns one of them is initialised: its ``reset_parameters()`` (torch's
    convention, which FSDP2 and Lightning follow: a module initialises its own direct parameters), then
-   the ``init_fn(module)`` the caller passes (a model's custom init, such as GPT's ``std=0.02``);
+   the initialiser of the library the module comes from (``initialisers.py``: Hugging Face's
+   ``_init_weights``, peft's LoRA reset), then the ``init_fn(module)`` the caller passes (a model's
+   custom init, such as GPT's ``std=0.02``). A module whose every meta tensor will be read from a
+   checkpoint is not initialised (see [Note: loading straight into shards] in sources.py);
 3. the flat buffer is broadcast from rank 0 (so every rank agrees, whatever its random state), each rank
    keeps its slice, and the unit is released before the next one is built.
 
@@ -20,10 +23,12 @@ zero-filled and then initialised the same way, and broadcast with the other buff
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Collection, Iterable, Optional
 
 import torch
 from torch import nn
+
+from .initialisers import library_initialisers
 
 InitFn = Callable[[nn.Module], None]
 
@@ -48,10 +53,17 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
 class Materializer:
     """Turns meta parameters into real ones, unit by unit (see [Note: sharded initialisation])."""
 
-    def __init__(self, root: nn.Module, device: torch.device, init_fn: Optional[InitFn], is_source: bool) -> None:
+    def __init__(
+        self, root: nn.Module, device: torch.device, init_fn: Optional[InitFn], is_source: bool,
+        loaded_params: Collection[int] = (), loaded_buffers: Collection[tuple[int, str]] = (),
+    ) -> None:  # fmt: skip
         self.device = device
         self.init_fn = init_fn
         self.is_source = is_source  # only the source rank (0) runs the initialisers; the rest receive
+        # tensors whose values come from a checkpoint: parameters by id, buffers by (id of module, name)
+        self.loaded_params = set(loaded_params)
+        self.loaded_buffers = set(loaded_buffers)
+        self.library_inits = library_initialisers(root)
         self.owners: dict[int, list[nn.Module]] = {}  # id(parameter) -> modules holding it directly
         for module in root.modules():
             for p in module._parameters.values():
@@ -79,6 +91,7 @@ class Materializer:
 
     def _materialize_modules(self, modules: Iterable[nn.Module], views: dict[int, torch.Tensor]) -> None:
         fresh = [m for m in modules if id(m) not in self._done]
+        to_initialise = [m for m in fresh if not self._all_loaded(m)]
         for module in fresh:
             self._done.add(id(module))
             for p in module._parameters.values():
@@ -95,13 +108,26 @@ class Materializer:
             for name, b in module._buffers.items():
                 if b is not None and b.is_meta:
                     module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
-        if self.is_source:
-            for module in fresh:
+        if self.is_source and to_initialise:
+            for module in to_initialise:
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     reset()
-                if self.init_fn is not None:
+            for initialise in self.library_inits:
+                initialise(to_initialise)
+            if self.init_fn is not None:
+                for module in to_initialise:
                     self.init_fn(module)
+
+    def _all_loaded(self, module: nn.Module) -> bool:
+        """Whether every meta tensor ``module`` holds directly will be read from a checkpoint."""
+        meta_params = [p for p in module._parameters.values() if p is not None and p.is_meta]
+        meta_buffers = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
+        if not meta_params and not meta_buffers:
+            return False
+        return all(id(p) in self.loaded_params for p in meta_params) and all(
+            (id(module), name) in self.loaded_buffers for name in meta_buffers
+        )
 
     def check_done(self, root: nn.Module) -> None:
         left = [name for name, t in _named_tensors(root) if t.is_meta]

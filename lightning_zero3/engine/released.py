@@ -7,6 +7,15 @@ released, the parameter's class is switched to ``ReleasedParameter``, whose ``__
 metadata through (shape, dtype, requires_grad, numel, ... : enough for optimizers, model summaries and
 ``named_parameters``) and turns every real use into ``ParameterNotGatheredError``, which names the remedy.
 On gather the original class comes back, so gathered parameters cost nothing extra per operation.
+
+[Note: a state dict of a sharded model]
+``module.state_dict()`` detaches every parameter. Raising there would make the whole call fail for a
+caller that wants a few small tensors only (peft's ``save_pretrained`` takes the whole state dict and
+keeps the adapters, which are whole on every rank, see rule 4 in units.py). So ``detach()`` of a released
+parameter gives a ``NotGathered`` value: the parameter's shape and dtype, no data (on the meta device),
+and every use of it (reading it, copying it, pickling it into a file) raises the same error as the
+parameter itself. Nothing is ever saved or loaded from it silently; full weights are written by
+``save_full_weights`` or read inside ``gathered_parameters``.
 """
 
 from __future__ import annotations
@@ -52,6 +61,19 @@ _METADATA = frozenset(
 )
 
 
+def _refuse(func: Any, args: tuple, kwargs: Any) -> None:
+    name = getattr(func, "__name__", "")
+    held = [a for a in _flat(args, kwargs) if isinstance(a, (ReleasedParameter, NotGathered))]
+    label = ", ".join(sorted({_name_of(p) for p in held})) or "a sharded parameter"
+    raise ParameterNotGatheredError(
+        f"zero3: `{name or func}` touched {label}, which is sharded across ranks and not gathered right now. "
+        "Full parameters exist only while their module runs forward or backward. To read or change them "
+        "elsewhere, wrap the code in `with lightning_zero3.gathered_parameters(module):` "
+        "(pass `modifier_rank=0` to write changes back to the shards); to save full weights, call "
+        "`lightning_zero3.save_full_weights(module, path)` on every rank."
+    )
+
+
 class ReleasedParameter(nn.Parameter):
     """Stand-in class of a parameter whose unit is not gathered. Never constructed: assigned to ``__class__``."""
 
@@ -61,17 +83,36 @@ class ReleasedParameter(nn.Parameter):
         if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        released = [a for a in _flat(args, kwargs) if isinstance(a, ReleasedParameter)]
-        label = ", ".join(sorted({_name_of(p) for p in released})) or "a sharded parameter"
-        raise ParameterNotGatheredError(
-            f"zero3: `{name or func}` touched {label}, which is sharded across ranks and not gathered right now. "
-            "Full parameters exist only while their module runs forward or backward. To read or change them "
-            "elsewhere, wrap the code in `with lightning_zero3.gathered_parameters(module):` "
-            "(pass `modifier_rank=0` to write changes back to the shards)."
-        )
+        if name == "detach" and len(args) == 1 and isinstance(args[0], ReleasedParameter):
+            return NotGathered.of(args[0])  # [Note: a state dict of a sharded model]
+        _refuse(func, args, kwargs)
 
     def __repr__(self) -> str:
         return f"ReleasedParameter({_name_of(self)}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class NotGathered(torch.Tensor):
+    """What ``detach()`` of a released parameter gives: its shape and dtype, no data; every use raises
+    (see [Note: a state dict of a sharded model])."""
+
+    @staticmethod
+    def of(param: torch.Tensor) -> "NotGathered":
+        with torch._C.DisableTorchFunctionSubclass():
+            empty = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        value = torch.Tensor._make_subclass(NotGathered, empty)
+        value._zero3_name = _name_of(param)
+        return value
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in _METADATA and name not in ("__reduce_ex__", "__deepcopy__", "untyped_storage", "data_ptr"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        _refuse(func, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"NotGathered({_name_of(self)}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def _name_of(param: torch.Tensor) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Collection, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -41,12 +41,14 @@ from .memory import (
     release,
 )
 from .released import mark_gathered, mark_released
+from .sources import TensorValue
 
 if TYPE_CHECKING:
     from .agreement import OrderCheck
     from .materialize import Materializer
     from .offload import Offload, ParamSource, GroupStore
     from .secondary import SecondaryShard
+    from .sources import TensorSource
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,10 @@ class FlatGroup:
         dtypes: DtypePolicy = DtypePolicy(),
         materializer: Optional["Materializer"] = None,
         offload: Optional["Offload"] = None,
+        loaded: Collection[int] = (),
     ) -> None:
+        """``loaded``: ids of parameters whose values will be read from a checkpoint once every group is
+        built (see [Note: loading straight into shards] in sources.py)."""
         if not named_params:
             raise ValueError(f"flat group {name!r} has no parameters")
         own_dtypes = {p.dtype for _, p in named_params}
@@ -122,6 +127,9 @@ class FlatGroup:
         if self.grad_shard is not None:
             self.ledger.add(GRAD_SHARDS, self._nbytes(self.grad_shard))
 
+        # every value comes from a checkpoint: nothing to initialise, broadcast or copy (the shard is read
+        # into once every group is built), and the full buffer is released untouched
+        from_checkpoint = all(id(p) in loaded for _, p in named_params)
         with torch.no_grad():
             # One buffer of the full (padded) size is alive per group while it is built; it becomes ``full``
             # when the compute dtype is the master dtype, so building a unit costs one unit's bytes.
@@ -131,21 +139,23 @@ class FlatGroup:
                 # built straight from the meta device: see [Note: sharded initialisation] in materialize.py
                 materializer.fill(named_params, master[:total])
                 sync_from_rank0 = True  # rank 0 initialised it
-            else:
+            elif not from_checkpoint:
                 offset = 0
                 for _, p in named_params:
                     master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                     offset += p.numel()
-            if sync_from_rank0:
+            if sync_from_rank0 and not from_checkpoint:
                 comm.broadcast(master, src=0)
             start = rank * self.shard_numel
-            self.shard.copy_(master[start : start + self.shard_numel])
+            if not from_checkpoint:
+                self.shard.copy_(master[start : start + self.shard_numel])
             if self.compute_dtype == self.dtype:
                 self.full = master
             else:
                 self.full = releasable_buffer(master.numel(), self.compute_dtype, device)
                 self.ledger.add(self._full_category, self._nbytes(self.full))
-                self.full.copy_(master)
+                if not from_checkpoint:
+                    self.full.copy_(master)
                 self.ledger.remove(self._full_category, self._nbytes(master))
             del master
         self.store: Optional["GroupStore"] = offload.new_store(self.shard, self.trainable) if offload is not None else None
@@ -297,18 +307,36 @@ class FlatGroup:
 
     def load_slice(self, slot: ParamSlot, full_value: torch.Tensor) -> None:
         """Set this rank's piece of ``slot``'s parameter from the parameter's full value."""
-        if full_value.numel() != slot.numel:
+        self.load_piece(slot, TensorValue(full_value, "the state dict's value"))
+
+    def load_piece(self, slot: ParamSlot, source: "TensorSource") -> None:
+        """Set this rank's piece of ``slot``'s parameter from ``source``, read by element range (see
+        [Note: loading straight into shards] in sources.py); a persistent parameter's full copy is read
+        whole. Not a collective: a gathered unit is stale until gathered again."""
+        if source.shape.numel() != slot.numel:
             raise ValueError(
-                f"zero3: the value for {slot.name} has {full_value.numel()} elements, the parameter "
-                f"{tuple(slot.param.shape)} has {slot.numel}; the state dict was written for another model."
+                f"zero3: {source.label} has {source.shape.numel()} elements, the parameter {slot.name} "
+                f"{tuple(slot.param.shape)} has {slot.numel}; it was written for another model."
             )
         start = slot.piece_start(self.comm.rank, self.shard_numel)
+        count = slot.hi - slot.lo
+        on_disk = self.store is not None and self.store.master is None
         with torch.no_grad():
-            piece = full_value.reshape(-1)[start : start + slot.hi - slot.lo]
-            if self.store is not None and self.store.master is None:  # on NVMe: straight into the swap file
+            if self.persistent:
+                whole = torch.empty(slot.numel, dtype=self.dtype, device=self.shard.device)
+                source.read(0, whole)
+                self.full[slot.offset : slot.offset + slot.numel].copy_(whole)
+                piece = whole[start : start + count]
+                if on_disk:
+                    self.store.write_master_range(slot.lo, slot.hi, piece)
+                else:
+                    self.master[slot.lo : slot.hi].copy_(piece)
+            elif on_disk:  # on NVMe: straight into the swap file
+                piece = torch.empty(count, dtype=self.dtype, device=self.shard.device)
+                source.read(start, piece)
                 self.store.write_master_range(slot.lo, slot.hi, piece)
             else:
-                self.master[slot.lo : slot.hi].copy_(piece)
+                source.read(start, self.master[slot.lo : slot.hi])
 
     def release(self) -> None:
         """Free the full parameters (persistent groups are never released)."""

@@ -12,6 +12,12 @@ Rules, in order:
    gathered whenever any unit runs.
 3. A parameter with fewer than ``persistence_threshold`` elements is *persistent*: kept whole on every
    rank, in one flat group of its own (its gradient and optimizer state are still sharded).
+4. Adapters: in a unit that also holds frozen parameters, trainable parameters that together make up
+   at most ``ADAPTER_SHARE`` of the unit's elements are persistent too, whatever their size (LoRA's A
+   and B beside a frozen base layer). The unit is then frozen whole: it has no gradient shard and is
+   never reduce-scattered, where a unit with one trainable parameter reduces all of its elements. The
+   adapters' gradients and optimizer state stay sharded; held whole, they cost a few percent of the
+   frozen unit, and any rank can read them at once (peft's ``save_pretrained`` does).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from torch import nn
 from ..config import UnitPolicy
 
 ROOT = ""  # module path of the root unit
+ADAPTER_SHARE = 1 / 8  # most elements of a frozen unit that its trainable parameters may hold to be adapters (rule 4)
 
 
 @dataclass
@@ -75,8 +82,21 @@ def plan_units(root: nn.Module, policy: UnitPolicy, persistence_threshold: int) 
         unit_owners = owners[key]
         owner = unit_owners.pop() if len(unit_owners) == 1 else ROOT
         specs[owner].params.append((name, p))
+    for spec in specs.values():
+        persistent.extend(_take_adapters(spec))
     units = [specs[ROOT]] + [specs[p] for p in unit_paths if specs[p].params]
     return UnitPlan(units=units, persistent=persistent)
+
+
+def _take_adapters(spec: UnitSpec) -> list[tuple[str, nn.Parameter]]:
+    """Remove from ``spec`` the trainable parameters that are adapters of its frozen ones (rule 4)."""
+    trainable = [(n, p) for n, p in spec.params if p.requires_grad]
+    if not trainable or len(trainable) == len(spec.params):
+        return []
+    if sum(p.numel() for _, p in trainable) > ADAPTER_SHARE * sum(p.numel() for _, p in spec.params):
+        return []
+    spec.params = [(n, p) for n, p in spec.params if not p.requires_grad]
+    return trainable
 
 
 def _is_under(name: str, module_path: str) -> bool:

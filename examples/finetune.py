@@ -1,0 +1,159 @@
+"""Fine-tuning a pretrained Hugging Face model under zero3: the LightningModule of the fine-tuning jobs
+(``examples/configs/finetune_full.yaml``, ``finetune_lora.yaml``).
+
+``configure_model`` builds the model from its config (on the meta device under zero3) and loads the
+checkpoint with ``lightning_zero3.load_pretrained``: each rank reads only the bytes of its own shards.
+With ``lora`` set, peft's LoRA adapters wrap the model (the base frozen, the adapters trained). When
+``fit`` ends the model is exported as a Hugging Face directory (``export_dir/model``: the adapters
+merged into the base weights for LoRA), and a LoRA run also saves peft's adapter files with peft's own
+``save_pretrained`` (``export_dir/adapter``). The same module runs under DDP unchanged.
+
+``make_pretrained`` writes a small Llama-style checkpoint with ``save_pretrained`` (bf16, safetensors),
+so the jobs need no download: ``prepare_data`` writes it where ``checkpoint`` points if it is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+import lightning_zero3
+
+
+@dataclass
+class TinyLlama:
+    """The shape of the checkpoint ``make_pretrained`` writes (a ``LlamaConfig``'s fields)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 344
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class LoraSettings:
+    """peft's ``LoraConfig`` for the adapters."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    #: start the adapters from a peft adapter directory (``save_pretrained``'s) instead of new ones:
+    #: resumes a LoRA fine-tune, and makes runs under different strategies start alike
+    adapter: Optional[str] = None
+
+
+def make_pretrained(directory: str, shape: TinyLlama, seed: int = 0) -> Path:
+    """A randomly initialised Llama of ``shape`` saved with ``save_pretrained`` (bf16) at ``directory``;
+    kept if it is there already. Written to a temporary name first, so a directory there is complete."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(directory)
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**asdict(shape))).to(torch.bfloat16)
+    staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        model.save_pretrained(staging)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+class CausalLMFineTune(pl.LightningModule):
+    """A Hugging Face causal language model, fine-tuned in full or with LoRA adapters.
+
+    Args:
+        checkpoint: The pretrained model: a Hugging Face directory (``save_pretrained``'s).
+        lora: LoRA adapters to train (None: fine-tune every weight).
+        lr: AdamW's learning rate.
+        weight_decay: AdamW's weight decay.
+        export_dir: Where the fine-tuned model is written when ``fit`` ends (None: not exported).
+        make_checkpoint: Write a small random Llama of this shape at ``checkpoint`` if none is there.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        lora: Optional[LoraSettings] = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        export_dir: Optional[str] = None,
+        make_checkpoint: Optional[TinyLlama] = None,
+    ) -> None:
+        super().__init__()
+        self.checkpoint, self.lora, self.export_dir = checkpoint, lora, export_dir
+        self.lr, self.weight_decay = lr, weight_decay
+        self.make_checkpoint = make_checkpoint
+        self.model = None
+        self.step_losses: list[float] = []  # this rank's loss of every training step
+        self.first_batch: Optional[tuple] = None  # the first training batch this rank saw (for comparisons)
+
+    def prepare_data(self) -> None:
+        if self.make_checkpoint is not None:
+            make_pretrained(self.checkpoint, self.make_checkpoint)
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        # under zero3 this runs on the meta device: the weights are read straight into the shards. fp32
+        # masters whatever the checkpoint's dtype (the `precision` flag decides what computes)
+        config = AutoConfig.from_pretrained(self.checkpoint)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = lightning_zero3.load_pretrained(model, self.checkpoint)
+        if self.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            settings = LoraConfig(r=self.lora.r, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+                                  target_modules=list(self.lora.target_modules))  # fmt: skip
+            model = get_peft_model(model, settings)
+            if self.lora.adapter is not None:
+                lightning_zero3.load_pretrained(model, self.lora.adapter)  # the LoRA tensors only
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        if self.first_batch is None:
+            self.first_batch = tuple(t.detach().cpu() for t in batch[:2])
+        loss = self.loss(*batch[:2])
+        self.step_losses.append(loss.item())
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(*batch[:2]), sync_dist=True)
+
+    def configure_optimizers(self):
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay)
+
+    def on_fit_end(self) -> None:
+        if self.export_dir is None:
+            return
+        out = Path(self.export_dir)
+        if self.lora is not None and self.trainer.is_global_zero:
+            self.model.save_pretrained(out / "adapter")  # peft's own call: the adapters are whole on every rank
+        # every rank takes part (the units are gathered one at a time); rank 0 writes
+        lightning_zero3.save_full_weights(self.model, out / "model", fmt="hf")
