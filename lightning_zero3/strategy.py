@@ -49,7 +49,7 @@ from .checkpoint.export import save_full_weights
 from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .knobs import DEFAULTS, build_config, knob_docstring
 from .engine import Communicator, NoTrainableParametersError, Zero3Engine, engine_of
-from .engine.materialize import move_real_tensors
+from .engine.materialize import move_real_tensors, parameters_on_meta
 from .engine.watchdog import Watchdog
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 from .process_exit import close_process_groups_at_exit, note_failure
@@ -326,15 +326,17 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with parameters_on_meta(), self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Modules built in ``configure_model`` go on the meta device; the engine materialises them unit by
-        unit into shards, so no rank holds the full model. Their initial values come from each module's
-        ``reset_parameters()`` and then the LightningModule's ``init_weights(module)``, if it has one."""
-        with torch.device("meta"):
+        """Parameters of modules built in ``configure_model`` go on the meta device (buffers are computed as
+        usual, see [Note: only parameters on the meta device] in engine/materialize.py); the engine
+        materialises them unit by unit into shards, so no rank holds the full model. Their initial values
+        come from a checkpoint (``load_pretrained``), else from each module's ``reset_parameters()``, its
+        library's initialiser and then the LightningModule's ``init_weights(module)``, if it has one."""
+        with parameters_on_meta():
             yield
 
     @contextmanager

@@ -19,11 +19,22 @@ its units on the meta parameters as on real ones, then builds each unit's flat g
 So no rank ever holds more than about one unit in full (the flat buffer and its gathered copy). Buffers
 (``register_buffer``) are small: a module that holds meta buffers is materialised whole up front, buffers
 zero-filled and then initialised the same way, and broadcast with the other buffers.
+
+[Note: only parameters on the meta device]
+A buffer computed in ``__init__`` (a rotary embedding's ``inv_freq``, a causal mask, a custom model's
+scale table) is not learned and usually not in any checkpoint: built under ``torch.device("meta")`` it
+has no values, and no initialiser knows how to recompute it (a custom model's own ``__init__`` code is
+the only place that says). So the strategy builds models under ``parameters_on_meta()``, as Hugging
+Face's loader and accelerate's ``init_empty_weights`` do: every parameter is moved to the meta device
+the moment it is registered, before the module's ``__init__`` goes on to initialise it (so
+``reset_parameters()`` in ``__init__`` is a no-op, and ``torch.empty`` never touched the memory it
+reserved), while everything else ``__init__`` computes, buffers included, is real.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Iterable, Optional
+from contextlib import contextmanager
+from typing import Callable, Collection, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -31,6 +42,26 @@ from torch import nn
 from .initialisers import library_initialisers
 
 InitFn = Callable[[nn.Module], None]
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside the block get their parameters on the meta device and everything else on
+    the current device (see [Note: only parameters on the meta device])."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            with torch.no_grad():
+                meta = param.data.to("meta")
+            module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
