@@ -46,3 +46,27 @@ def test_a_failed_exit_fails_the_run_unless_the_worker_may_fail_at_exit(tmp_path
     assert read_result(result, -6, aborted) == f"failed (exit -6): {aborted}"  # zero3's own workers exit cleanly
     outcome = read_result(result, -6, aborted, exit_may_fail=True)  # DeepSpeed's ranks: the result counts
     assert outcome["tokens_per_s"] == 3.0 and outcome["exit"].startswith("exit -6 after its result was written")
+
+
+def test_load_benchmark_quick_mode_loads_alike_and_reads_the_checkpoint_once(tmp_path):
+    """``examples/benchmark_load.py --quick``: every row loads the same model (same loss), zero3's ranks
+    together read the checkpoint's bytes once and hold no more anonymous memory than their shards."""
+    out = tmp_path / "load.json"
+    methods = "zero3,init_then_zero3,fsdp2" + (",deepspeed" if importlib.util.find_spec("deepspeed") else "")
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmark_load.py"), "--quick", "--methods", methods,
+           "--dir", str(tmp_path / "checkpoint"), "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == set(methods.split(","))
+    checkpoint = sum(f.stat().st_size for f in (tmp_path / "checkpoint").rglob("*.safetensors"))
+    losses = {}
+    for method, runs in rows.items():
+        (run,) = runs
+        assert isinstance(run, dict), run  # a row that failed says why in its place
+        losses[method] = run["ranks"][0]["loss"]
+        assert all(r["seconds"] > 0 and r["held_bytes"] > 0 for r in run["ranks"])
+    assert len(set(losses.values())) == 1, losses
+    zero3 = rows["zero3"][0]["ranks"]
+    assert sum(r["read_bytes"] for r in zero3) <= 1.05 * checkpoint
+    assert "x bound" in done.stdout and "zero3" in done.stdout

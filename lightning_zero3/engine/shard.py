@@ -119,7 +119,8 @@ class FlatGroup:
         total = sum(p.numel() for _, p in named_params)
         self.shard_numel = -(-total // world)  # ceil division
         self.numel = total
-        self.shard = releasable_buffer(self.shard_numel, self.dtype, device)
+        # small pages unless offload refills it from its tier at every gather: [Note: shards are in small pages]
+        self.shard = releasable_buffer(self.shard_numel, self.dtype, device, huge=offload is not None)
         self.ledger.add(PARAM_SHARDS, self._nbytes(self.shard))
         self.trainable = any(p.requires_grad for _, p in named_params)
         # under offload the gradient shard lives with the master, in the store

@@ -10,14 +10,13 @@ model directories: ``model.safetensors`` or ``pytorch_model.bin``, or shards lis
 Everything that can be known before a byte of weights is read is checked when the checkpoint is
 opened: a path that is not there, a header that is cut off or not JSON, a tensor whose bytes lie past
 the end of its file (a truncated download), an index that names a missing file or a tensor its file
-does not hold. Reading then touches only the byte ranges asked for (see [Note: loading straight into
-shards] in ``engine/sources.py``).
+does not hold. Reading then reads only the byte ranges asked for (see [Note: loading straight into
+shards] in ``engine/sources.py`` and [Note: reading a checkpoint's byte ranges] in ``reader.py``).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,9 @@ from typing import Any, Union
 
 import torch
 
+from ..engine.memory import populate
 from ..engine.sources import TensorValue
+from .reader import CheckpointFile
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -44,47 +45,6 @@ class CheckpointFileError(ValueError):
     """A checkpoint path is missing, or one of its files is truncated, corrupt or not a checkpoint."""
 
 
-class MappedFile:
-    """One safetensors file, memory-mapped (privately, read only in practice) on first read."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._map: mmap.mmap | None = None
-
-    def _region(self) -> mmap.mmap:
-        if self._map is None:
-            with open(self.path, "rb") as file:
-                # ACCESS_COPY: a private mapping torch may wrap without a read-only warning; never written
-                self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-        return self._map
-
-    def view(self, offset: int, dtype: torch.dtype, count: int) -> torch.Tensor:
-        """``count`` (> 0) elements of ``dtype`` at byte ``offset`` of the file, as a tensor over the mapping."""
-        return torch.frombuffer(self._region(), dtype=dtype, count=count, offset=offset)
-
-    def prefetch(self, start: int, end: int) -> None:
-        """Ask the kernel to read bytes ``[start, end)`` ahead of the copy that needs them."""
-        if hasattr(mmap, "MADV_WILLNEED"):
-            low = start // mmap.PAGESIZE * mmap.PAGESIZE
-            self._region().madvise(mmap.MADV_WILLNEED, low, end - low)
-
-    def drop(self, start: int, end: int) -> None:
-        """Hand the mapped pages of bytes ``[start, end)`` back to the kernel (re-read from the file if
-        touched again): what was copied out is not the process's memory any more."""
-        if self._map is not None:
-            low = start // mmap.PAGESIZE * mmap.PAGESIZE
-            high = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(self._map))
-            self._map.madvise(mmap.MADV_DONTNEED, low, high - low)
-
-    def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a tensor over it is still alive: the mapping goes with it
-                pass
-            self._map = None
-
-
 @dataclass
 class FileTensor:
     """One tensor of a safetensors file (a ``TensorSource``)."""
@@ -92,18 +52,32 @@ class FileTensor:
     label: str
     shape: torch.Size
     dtype: torch.dtype
-    file: MappedFile
+    file: CheckpointFile
     offset: int  # of its first byte in the file
 
     def read(self, start: int, out: torch.Tensor) -> None:
-        if out.numel() == 0:
+        if out.numel() == 0:  # a rank whose shard holds none of this tensor
             return
-        first = self.offset + start * self.dtype.itemsize
-        self.file.prefetch(first, first + out.numel() * self.dtype.itemsize)
-        out.copy_(self.file.view(first, self.dtype, out.numel()).view(out.shape))
+        if not out.is_contiguous():
+            whole = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+            self.read(start, whole)
+            out.copy_(whole.view(out.shape))
+            return
+        flat, size = out.view(-1), self.dtype.itemsize
+
+        def cast(offset: int, data: torch.Tensor) -> None:  # one piece: bytes -> this dtype -> out's
+            if data.storage_offset() % size:
+                data = data.clone()  # a tensor not aligned to its element size in the file
+            values = data.view(self.dtype)
+            target = flat[offset // size : offset // size + values.numel()]
+            populate(target)  # while the next piece is read
+            target.copy_(values)
+
+        first = self.offset + start * size
+        self.file.read(first, first + flat.numel() * size, cast)
 
     def release(self) -> None:
-        self.file.drop(self.offset, self.offset + self.shape.numel() * self.dtype.itemsize)
+        pass  # nothing of the file stays in memory (see reader.py)
 
 
 @dataclass
@@ -117,8 +91,7 @@ class Checkpoint:
 
     def close(self) -> None:
         for file in self.files:
-            if isinstance(file, MappedFile):
-                file.close()
+            file.close()
 
 
 def open_checkpoint(path: Union[str, "os.PathLike[str]"]) -> Checkpoint:
@@ -132,7 +105,7 @@ def open_checkpoint(path: Union[str, "os.PathLike[str]"]) -> Checkpoint:
     if path.name.endswith(".index.json"):
         return _open_index(path)
     if path.suffix == ".safetensors":
-        file = MappedFile(path)
+        file = CheckpointFile(path)
         return Checkpoint(path, _safetensors_tensors(path, file), [file])
     if path.suffix in TORCH_SUFFIXES:
         return Checkpoint(path, _torch_tensors(path), [])
@@ -183,9 +156,9 @@ def _open_index(index: Path) -> Checkpoint:
     for file_name, names in by_file.items():
         shard = index.parent / file_name
         if shard.suffix == ".safetensors":
-            mapped = MappedFile(shard)
-            files.append(mapped)
-            held = _safetensors_tensors(shard, mapped)
+            opened = CheckpointFile(shard)
+            files.append(opened)
+            held = _safetensors_tensors(shard, opened)
         else:
             held = _torch_tensors(shard)
         absent = [name for name in names if name not in held]
@@ -198,7 +171,7 @@ def _open_index(index: Path) -> Checkpoint:
     return Checkpoint(index, tensors, files)
 
 
-def _safetensors_tensors(path: Path, file: MappedFile) -> dict[str, FileTensor]:
+def _safetensors_tensors(path: Path, file: CheckpointFile) -> dict[str, FileTensor]:
     """The tensors of a safetensors file, from its header, every offset checked against the file's size."""
     size = path.stat().st_size
     with open(path, "rb") as stream:

@@ -1,0 +1,406 @@
+"""Loading a pretrained Hugging Face checkpoint into a sharded model: zero3 against its peers, per rank.
+
+    python examples/benchmark_load.py                 # ~1B-parameter Llama, bf16 files, 4 ranks, 3 runs
+    python examples/benchmark_load.py --quick         # a small model, 1 run (what the test runs)
+
+One checkpoint (``save_pretrained``: bf16 safetensors split into several files with an index, written
+once under ``--dir``) is loaded into a model sharded over ``--ranks`` CPU processes with fp32 masters by:
+
+  zero3            the model built from its config on the meta device, ``lightning_zero3.load_pretrained``,
+                   then ``Zero3Engine``: each rank copies only the byte ranges of its own shards
+  init_then_zero3  ``from_pretrained`` on every rank (what works in ``__init__``), then ``Zero3Engine``
+  fsdp2            FSDP2 (``fully_shard`` per decoder layer and the root, on the meta device), rank 0
+                   reads the whole checkpoint and ``set_model_state_dict(..., full_state_dict=True,
+                   broadcast_from_rank0=True)`` sends each tensor out: what Lightning's
+                   ``ModelParallelStrategy`` users run (its strategy applies the same ``fully_shard`` calls)
+  deepspeed        DeepSpeed ZeRO-3's Hugging Face path: ``HfDeepSpeedConfig`` then ``from_pretrained``
+                   (``zero.Init``: rank 0 reads, every module gathered and scattered)
+
+Before each load the checkpoint's pages are dropped from the page cache (``POSIX_FADV_DONTNEED`` on its
+files: nothing else on the machine is touched), so every row reads the disk. Per rank: the load's wall
+time (from a barrier to a barrier), the peak growth of anonymous memory (``RssAnon``, sampled every 5 ms:
+the process's own memory; pages of a mapped file are the page cache's and are not counted) and of the
+whole resident set (``VmRSS``), bytes read from the disk (``read_bytes`` of ``/proc/self/io``), and the
+bytes the rank then holds as parameter (and gradient) shards. The bound is the disk's own read speed,
+measured in the same run: the checkpoint's files read cold with ``O_DIRECT`` by ``--ranks`` threads.
+Every row's model must give the same loss on one batch (the ``check`` column: difference from zero3's).
+Rows are medians over ``--runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from processes import exit_note, read_result, run_worker  # noqa: E402
+
+METHODS = ("zero3", "init_then_zero3", "fsdp2", "deepspeed")
+
+
+def llama_shape(args) -> dict:
+    return dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+
+
+def make_checkpoint(args) -> Path:
+    """The checkpoint every row loads, written once for this shape (kept between runs)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = llama_shape(args)
+    out = Path(args.dir) / "llama-{num_hidden_layers}x{hidden_size}".format(**shape)
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        model.model.rotary_emb.inv_freq.copy_(model.model.rotary_emb.original_inv_freq)
+    model.to(torch.bfloat16).save_pretrained(out, max_shard_size=args.shard_size)
+    return out
+
+
+def checkpoint_files(checkpoint: Path) -> list[Path]:
+    return sorted(checkpoint.glob("*.safetensors"))
+
+
+def drop_from_cache(files: list[Path]) -> None:
+    """Evict the files' pages from the page cache (this file only, nothing else of the machine)."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def measure_disk(files: list[Path], readers: int) -> dict:
+    """The files read cold with O_DIRECT into page-aligned buffers, ``readers`` requests in flight."""
+    import mmap
+
+    drop_from_cache(files)
+    chunk = 16 << 20
+    jobs = [(f, offset) for f in files for offset in range(0, f.stat().st_size, chunk)]
+
+    def read(job: tuple[Path, int]) -> int:
+        file, offset = job
+        buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            return os.preadv(fd, [buffer], offset)
+        finally:
+            os.close(fd)
+            buffer.close()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(readers) as pool:
+        total = sum(pool.map(read, jobs))
+    seconds = time.perf_counter() - start
+    return {"read_GBps": total / seconds / 1e9, "bytes": total, "seconds": seconds}
+
+
+def touch_memory(gigabytes: float) -> None:
+    """Write ``gigabytes`` of fresh memory once and free it. On a virtual machine the first write to memory
+    the guest has not used lately also faults on the host: on the development VM the same 1 GB of writes
+    per rank cost 0.2-2.9 s of system time, the most in whichever row ran first. Touched once here, the
+    rows start alike (and the order of the rows rotates between runs)."""
+    import torch
+
+    for _ in range(int(gigabytes)):
+        torch.ones(1 << 28)  # 1 GiB, written and freed
+
+
+# ---------------------------------------------------------------------------------------------------
+# the workers (one process per rank, under torchrun)
+
+
+class Sampler:
+    """Peak ``RssAnon`` and ``VmRSS`` of this process, read every 5 ms, as growth from when it started."""
+
+    def __init__(self) -> None:
+        self.base = self.read()
+        self.peak = dict(self.base)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def read() -> dict:
+        values = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("RssAnon", "VmRSS"):
+                values[key] = int(rest.split()[0]) * 1024
+        return values
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            for key, value in self.read().items():
+                self.peak[key] = max(self.peak[key], value)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        for key, value in self.read().items():
+            self.peak[key] = max(self.peak[key], value)
+        return {f"{key}_growth": self.peak[key] - self.base[key] for key in self.peak}
+
+
+def read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _load_zero3(checkpoint: Path, world: int):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import lightning_zero3
+    from lightning_zero3.engine.materialize import parameters_on_meta
+
+    with parameters_on_meta():  # what configure_model runs in under zero3
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)
+    lightning_zero3.load_pretrained(model, checkpoint)
+    engine = lightning_zero3.Zero3Engine(model, lightning_zero3.Zero3Config(tune_collectives=False), device=torch.device("cpu"))
+    return model, engine
+
+
+def _load_init_then_zero3(checkpoint: Path, world: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import lightning_zero3
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    engine = lightning_zero3.Zero3Engine(model, lightning_zero3.Zero3Config(tune_collectives=False))
+    return model, engine
+
+
+def _load_fsdp2(checkpoint: Path, world: int):
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    rotary = model.model.rotary_emb
+    model._init_weights(rotary)  # a buffer, not in the checkpoint: computed again after to_empty
+    full = {}
+    if dist.get_rank() == 0:
+        for file in checkpoint_files(checkpoint):
+            full.update(load_file(file))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    return model, None
+
+
+def _load_deepspeed(checkpoint: Path, world: int):
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": False}}
+    keep = HfDeepSpeedConfig(config)  # noqa: F841 - must be alive while from_pretrained runs
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=[p for p in model.parameters()])
+    return engine.module, engine
+
+
+def _held_bytes(method: str, model, engine) -> int:
+    """Bytes of parameter shards (and gradient shards, for zero3) this rank holds after the load."""
+    if method.startswith("zero3") or method == "init_then_zero3":
+        report = engine.memory_report()
+        return report["param_shards"] + report["grad_shards"] + report["persistent_params"]
+    if method == "fsdp2":
+        return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+
+
+def _loss_check(method: str, model, engine, vocab: int) -> float:
+    """The loaded model's loss on one fixed batch (every row must give the same)."""
+    import torch
+
+    ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if args.worker == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    # imported before the clock starts, as a program that builds the model has them: every row uses them
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
+    import lightning_zero3  # noqa: F401
+
+    checkpoint = Path(args.checkpoint)
+    load = globals()[f"_load_{args.worker}"]
+    dist.barrier()
+    sampler, io_before = Sampler(), read_bytes()
+    start = time.perf_counter()
+    model, engine = load(checkpoint, dist.get_world_size())
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    figures = {"seconds": seconds, "read_bytes": read_bytes() - io_before, **sampler.stop(),
+               "held_bytes": _held_bytes(args.worker, model, engine)}  # fmt: skip
+    figures["loss"] = _loss_check(args.worker, model, engine, args.vocab)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, figures)
+    if dist.get_rank() == 0:
+        Path(args.result).write_text(json.dumps({"ranks": everyone}))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the launcher
+
+
+def run_method(method: str, checkpoint: Path, args) -> dict | str:
+    drop_from_cache(checkpoint_files(checkpoint))
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        worker_args = [__file__, "--worker", method, "--checkpoint", str(checkpoint), "--result", str(result),
+                       "--vocab", str(args.vocab)]  # fmt: skip
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        code, output = run_worker(worker_args, env, timeout=args.timeout, ranks=args.ranks)
+        outcome = read_result(result, code, output, exit_may_fail=method == "deepspeed")
+    if isinstance(outcome, dict):
+        return {"ranks": outcome["ranks"], "exit": exit_note(outcome)}
+    return outcome
+
+
+def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, args) -> list[str]:
+    bandwidth = statistics.median(d["read_GBps"] for d in disk) * 1e9
+    bound = checkpoint_bytes / bandwidth
+    lines = [
+        f"loading a {args.params / 1e9:.2f}B-parameter Llama ({checkpoint_bytes / 1e9:.2f} GB of bf16 safetensors, "
+        f"{args.files} files) into fp32 shards on {args.ranks} CPU ranks; median of {args.runs} run(s)",
+        f"disk: {bandwidth / 1e9:.2f} GB/s cold O_DIRECT read with {args.ranks} readers (runs: "
+        + ", ".join(f"{d['read_GBps']:.2f}" for d in disk) + f"); bound = checkpoint / disk = {bound:.2f} s",
+        "",
+        "method          | load s | x bound | x zero3 | read GB (sum, x ckpt) | RssAnon growth GiB/rank (max) | "
+        "VmRSS growth GiB/rank (max) | held GiB/rank | anon / (held + largest) | check",
+        "----------------+--------+---------+---------+-----------------------+-------------------------------+"
+        "-----------------------------+---------------+-------------------------+------",
+    ]
+    medians = {}
+    for method, runs in rows.items():
+        good = [r for r in runs if isinstance(r, dict)]
+        if not good:
+            lines.append(f"{method:<15} | failed: {runs[-1][:400]}")
+            continue
+        per_run = [r["ranks"] for r in good]
+        med = lambda f: statistics.median(f(ranks) for ranks in per_run)  # noqa: E731
+        medians[method] = {
+            "seconds": med(lambda ranks: max(r["seconds"] for r in ranks)),
+            "read": med(lambda ranks: sum(r["read_bytes"] for r in ranks)),
+            "anon": med(lambda ranks: max(r["RssAnon_growth"] for r in ranks)),
+            "rss": med(lambda ranks: max(r["VmRSS_growth"] for r in ranks)),
+            "held": med(lambda ranks: max(r["held_bytes"] for r in ranks)),
+            "loss": per_run[0][0]["loss"],
+        }
+    base = medians.get("zero3")
+    for method, m in medians.items():
+        versus = f"{m['seconds'] / base['seconds']:.2f}" if base else "-"
+        check = f"{m['loss'] - base['loss']:+.1e}" if base else "-"
+        lines.append(
+            f"{method:<15} | {m['seconds']:6.2f} | {m['seconds'] / bound:7.2f} | {versus:>7} | "
+            f"{m['read'] / 1e9:8.2f} ({m['read'] / checkpoint_bytes:4.2f}x)       | {m['anon'] / 2**30:29.2f} | "
+            f"{m['rss'] / 2**30:27.2f} | {m['held'] / 2**30:13.2f} | "
+            f"{m['anon'] / (m['held'] + args.largest):23.2f} | {check}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "zero3-load-benchmark"))
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--shard-size", default="500MB", help="save_pretrained's max_shard_size")
+    parser.add_argument("--quick", action="store_true", help="a small model and one run")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--warm-gb", type=float, default=16, help="memory written once before the runs")
+    parser.add_argument("--json", default="benchmark_load.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.quick:
+        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads = 2, 256, 512, 4, 2
+        args.vocab, args.runs, args.shard_size, args.ranks, args.warm_gb = 1024, 1, "1MB", min(args.ranks, 2), 0
+    checkpoint = make_checkpoint(args)
+    files = checkpoint_files(checkpoint)
+    from safetensors import safe_open
+
+    sizes = []
+    for file in files:
+        with safe_open(file, "pt") as f:
+            sizes += [f.get_slice(k).get_shape() for k in f.keys()]
+    args.params = sum(int(__import__("math").prod(s)) for s in sizes)
+    args.largest = max(int(__import__("math").prod(s)) for s in sizes) * 4  # the largest tensor, in fp32
+    args.files = len(files)
+    checkpoint_bytes = sum(f.stat().st_size for f in files)
+    methods = [m for m in args.methods.split(",") if m]
+    rows: dict[str, list] = {m: [] for m in methods}
+    disk = []
+    touch_memory(args.warm_gb)
+    for run in range(args.runs):
+        disk.append(measure_disk(files, args.ranks))
+        for method in methods[run % len(methods) :] + methods[: run % len(methods)]:  # each row first once
+            rows[method].append(run_method(method, checkpoint, args))
+            outcome = rows[method][-1]
+            said = (f"{max(r['seconds'] for r in outcome['ranks']):.2f} s{outcome['exit']}"
+                    if isinstance(outcome, dict) else outcome[:300])  # fmt: skip
+            print(f"run {run + 1}/{args.runs} {method}: {said}", flush=True)
+    lines = summarize(rows, disk, checkpoint_bytes, args)
+    print("\n".join(lines))
+    Path(args.json).write_text(json.dumps({"rows": rows, "disk": disk, "table": lines}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
