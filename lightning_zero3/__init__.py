@@ -17,7 +17,8 @@ from .engine import (
     unshard,
 )
 from .checkpoint.export import save_full_weights
-from .pretrained import CheckpointFileError, CheckpointMismatchError, PeerLoadError, load_pretrained
+from .checkpoint import CheckpointError, CheckpointMismatchError
+from .pretrained import PeerLoadError, load_pretrained
 from .precision import Zero3Precision
 from .registration import register_strategies
 from .strategy import Zero3Strategy
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 register_strategies()
 
 __all__ = [
-    "CheckpointFileError",
+    "CheckpointError",
     "CheckpointMismatchError",
     "ExecutionOrderError",
     "NoTrainableParametersError",

@@ -16,7 +16,7 @@ from distributed import run_ranks
 transformers = pytest.importorskip("transformers")
 
 from lightning_zero3 import (  # noqa: E402
-    CheckpointFileError, CheckpointMismatchError, PeerLoadError, Zero3Config, Zero3Engine, load_pretrained,
+    CheckpointError, CheckpointMismatchError, PeerLoadError, Zero3Config, Zero3Engine, load_pretrained,
 )  # fmt: skip
 from lightning_zero3.engine import sources  # noqa: E402
 from lightning_zero3.engine.materialize import parameters_on_meta  # noqa: E402
@@ -91,7 +91,7 @@ def _load_case(rank: int, world: int, paths: dict, nvme: str) -> dict:
     broken = paths["sharded"] if rank == 0 else paths["root"] / "missing"
     try:
         load_pretrained(model, broken)
-    except (PeerLoadError, CheckpointFileError) as error:
+    except (PeerLoadError, CheckpointError) as error:
         out["error"] = (type(error).__name__, str(error))
     out["pending_after_error"] = sources.pending_on(model)
     return out
@@ -121,7 +121,7 @@ def test_a_sharded_model_loads_in_place_and_a_lightning_checkpoint_with_a_prefix
 
 
 def test_a_failure_on_one_rank_fails_every_rank_before_anything_is_kept(loaded):
-    assert loaded[1]["error"][0] == "CheckpointFileError" and "does not exist" in loaded[1]["error"][1]
+    assert loaded[1]["error"][0] == "CheckpointError" and "does not exist" in loaded[1]["error"][1]
     assert loaded[0]["error"][0] == "PeerLoadError"
     assert "failed on rank 1" in loaded[0]["error"][1] and "does not exist" in loaded[0]["error"][1]
     assert not loaded[0]["pending_after_error"] and not loaded[1]["pending_after_error"]
@@ -199,17 +199,17 @@ def _broken(kind: str, checkpoints: dict, tmp: Path) -> tuple[Path, dict]:
 
 
 BAD_INPUTS = {
-    "no directory": (CheckpointFileError, r"nowhere does not exist"),
-    "no weights": (CheckpointFileError, r"holds no weights that zero3 reads"),
-    "truncated": (CheckpointFileError, r"is truncated: '[^']+' needs bytes up to \d+, the file has \d+"),
-    "corrupt header": (CheckpointFileError, r"(header of .* is corrupt|cannot hold the header)"),
-    "missing shard": (CheckpointFileError, r"lists \['model-0000\d-of-0000\d\.safetensors'\].*download is incomplete"),
-    "missing index entry": (CheckpointFileError, r"says \['model\.[a-z_.0-9]+scale'\] are in .* which does not hold them"),
+    "no directory": (CheckpointError, r"nowhere does not exist"),
+    "no weights": (CheckpointError, r"holds no weights that zero3 reads"),
+    "truncated": (CheckpointError, r"is truncated: '[^']+' needs bytes up to \d+, the file has \d+"),
+    "corrupt header": (CheckpointError, r"(header of .* is corrupt|cannot hold the header)"),
+    "missing shard": (CheckpointError, r"lists \['model-0000\d-of-0000\d\.safetensors'\].*download is incomplete"),
+    "missing index entry": (CheckpointError, r"says \['model\.[a-z_.0-9]+scale'\] are in .* which does not hold them"),
     "missing keys": (CheckpointMismatchError, r"1 missing from the checkpoint: \['model\.layers\.1\.mlp\.up_proj\.weight'\]"),
     "unexpected keys": (CheckpointMismatchError, r"1 in the checkpoint but not in the model: \['model\.layers\.0\.extra\.weight'\]"),
     "shapes": (CheckpointMismatchError, r"shapes that differ: \['model\.embed_tokens\.weight: checkpoint \[64, 48\], model \[64, 32\]'"),
     "prefix": (CheckpointMismatchError, r"names start with 'model\.', which the model's do not: pass `prefix='model\.'`"),
-    "corrupt torch file": (CheckpointFileError, r"cannot read .*model\.pt as a torch state dict"),
+    "corrupt torch file": (CheckpointError, r"cannot read .*model\.pt as a torch state dict"),
 }
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.atomic import CheckpointError
 from ..engine import sources
 from ..engine.engine import Zero3Engine, owning_engine
 from ..engine.loading import load_sources
@@ -73,7 +74,7 @@ def load_pretrained(
         checkpoint = open_checkpoint(path)
         values, missing = match(module, checkpoint.tensors, prefix, key_map, strict, checkpoint.adapter)
         values.keep.append(checkpoint)
-    except (ValueError, OSError) as failure:
+    except (CheckpointError, ValueError, OSError) as failure:
         error = failure
     _agree(error, engine)
     if missing:

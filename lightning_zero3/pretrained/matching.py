@@ -21,14 +21,11 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from ..checkpoint.sharded import CheckpointMismatchError
 from ..engine.sources import PendingValues
 
 KeyMap = Optional[Union[Mapping[str, str], Callable[[str], Optional[str]]]]
 SHOWN = 8  # names listed per kind of problem in an error
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint's tensors do not fit the model (names or shapes)."""
 
 
 def model_tensors(module: nn.Module) -> tuple[dict[str, tuple], dict[tuple, torch.Size]]:

@@ -24,6 +24,7 @@ from typing import Any, Union
 
 import torch
 
+from ..checkpoint.atomic import CheckpointError
 from ..engine.memory import populate
 from ..engine.sources import TensorValue
 from .reader import CheckpointFile
@@ -39,10 +40,6 @@ INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")  # a peft adapter directory's weights
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-
-
-class CheckpointFileError(ValueError):
-    """A checkpoint path is missing, or one of its files is truncated, corrupt or not a checkpoint."""
 
 
 @dataclass
@@ -98,7 +95,7 @@ def open_checkpoint(path: Union[str, "os.PathLike[str]"]) -> Checkpoint:
     """Find and check the tensors of the checkpoint at ``path`` (a file or a Hugging Face directory)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointFileError(f"zero3: load_pretrained: {path} does not exist; pass a Hugging Face model "
+        raise CheckpointError(f"zero3: load_pretrained: {path} does not exist; pass a Hugging Face model "
                                   "directory, a .safetensors file or a torch state dict (.pt/.pth/.bin).")  # fmt: skip
     if path.is_dir():
         return _open_directory(path)
@@ -109,7 +106,7 @@ def open_checkpoint(path: Union[str, "os.PathLike[str]"]) -> Checkpoint:
         return Checkpoint(path, _safetensors_tensors(path, file), [file])
     if path.suffix in TORCH_SUFFIXES:
         return Checkpoint(path, _torch_tensors(path), [])
-    raise CheckpointFileError(
+    raise CheckpointError(
         f"zero3: load_pretrained: cannot tell the format of {path}; name it .safetensors, .pt, .pth, .bin or "
         ".ckpt, or pass the Hugging Face directory that holds it."
     )
@@ -129,7 +126,7 @@ def _open_directory(path: Path) -> Checkpoint:
             return checkpoint
     found = sorted(p.name for p in path.iterdir())
     looked = ", ".join(INDEXES + SINGLE_FILES + ADAPTER_FILES)
-    raise CheckpointFileError(
+    raise CheckpointError(
         f"zero3: load_pretrained: {path} holds no weights that zero3 reads (looked for {looked}); "
         f"it holds {found[:20]}. Pass the weights file itself."
     )
@@ -140,14 +137,14 @@ def _open_index(index: Path) -> Checkpoint:
         weight_map = json.loads(index.read_text())["weight_map"]
         assert isinstance(weight_map, dict)
     except (ValueError, KeyError, TypeError, AssertionError) as failure:
-        raise CheckpointFileError(f"zero3: load_pretrained: {index} is not a weights index (a JSON object with "
+        raise CheckpointError(f"zero3: load_pretrained: {index} is not a weights index (a JSON object with "
                                   f"a 'weight_map'): {failure}") from None  # fmt: skip
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
     missing = [file for file in by_file if not (index.parent / file).is_file()]
     if missing:
-        raise CheckpointFileError(
+        raise CheckpointError(
             f"zero3: load_pretrained: {index.name} lists {missing} (holding {by_file[missing[0]][:5]} ...), which "
             f"{index.parent} does not have: the download is incomplete."
         )
@@ -163,7 +160,7 @@ def _open_index(index: Path) -> Checkpoint:
             held = _torch_tensors(shard)
         absent = [name for name in names if name not in held]
         if absent:
-            raise CheckpointFileError(
+            raise CheckpointError(
                 f"zero3: load_pretrained: {index.name} says {absent[:5]} are in {file_name}, which does not hold "
                 "them: the index and the files do not belong together."
             )
@@ -178,7 +175,7 @@ def _safetensors_tensors(path: Path, file: CheckpointFile) -> dict[str, FileTens
         head = stream.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if length < 0 or length > min(MAX_HEADER, size - 8):
-            raise CheckpointFileError(
+            raise CheckpointError(
                 f"zero3: load_pretrained: {path} is not a safetensors file or is cut off: its {size} bytes cannot "
                 f"hold the header it announces ({length} bytes)."
             )
@@ -186,7 +183,7 @@ def _safetensors_tensors(path: Path, file: CheckpointFile) -> dict[str, FileTens
             header = json.loads(stream.read(length))
             assert isinstance(header, dict)
         except (ValueError, AssertionError) as failure:
-            raise CheckpointFileError(f"zero3: load_pretrained: the header of {path} is corrupt: {failure}") from None
+            raise CheckpointError(f"zero3: load_pretrained: the header of {path} is corrupt: {failure}") from None
     start = 8 + length
     tensors: dict[str, FileTensor] = {}
     for name, info in header.items():
@@ -197,16 +194,16 @@ def _safetensors_tensors(path: Path, file: CheckpointFile) -> dict[str, FileTens
             shape = torch.Size(info["shape"])
             first, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as failure:
-            raise CheckpointFileError(f"zero3: load_pretrained: {path}: the entry of {name!r} is corrupt "
+            raise CheckpointError(f"zero3: load_pretrained: {path}: the entry of {name!r} is corrupt "
                                       f"({type(failure).__name__}: {failure}).") from None  # fmt: skip
         nbytes = shape.numel() * dtype.itemsize
         if end - first != nbytes or first < 0:
-            raise CheckpointFileError(
+            raise CheckpointError(
                 f"zero3: load_pretrained: {path}: {name!r} is {list(shape)} {info['dtype']} ({nbytes} bytes) but "
                 f"its data offsets span {end - first} bytes: the file is corrupt."
             )
         if start + end > size:
-            raise CheckpointFileError(
+            raise CheckpointError(
                 f"zero3: load_pretrained: {path} is truncated: {name!r} needs bytes up to {start + end}, the file "
                 f"has {size}. Download or copy it again."
             )
@@ -219,14 +216,14 @@ def _torch_tensors(path: Path) -> dict[str, TensorValue]:
     try:
         saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as failure:  # noqa: BLE001 - torch's own message, with the file named
-        raise CheckpointFileError(
+        raise CheckpointError(
             f"zero3: load_pretrained: cannot read {path} as a torch state dict (truncated, corrupt, or saved "
             f"without torch's zip format): {type(failure).__name__}: {failure}"
         ) from None
     state = _state_dict_in(saved)
     if state is None:
         keys = list(saved)[:10] if isinstance(saved, dict) else type(saved).__name__
-        raise CheckpointFileError(
+        raise CheckpointError(
             f"zero3: load_pretrained: {path} holds no state dict (a dict of tensors, or one under 'state_dict' "
             f"or 'model'); it holds {keys}."
         )
