@@ -86,6 +86,10 @@ def _load_case(rank: int, world: int, paths: dict, nvme: str) -> dict:
             load_pretrained(model, paths["root"] / "lightning.ckpt", prefix="model.")
             out["lightning"] = _logits(model)
         engine.close() if name in ("cpu", "nvme") else None
+    # from_pretrained in __init__ (every rank holds the whole model first), then sharded: as before
+    whole = transformers.AutoModelForCausalLM.from_pretrained(paths["sharded"], dtype=torch.float32)
+    Zero3Engine(whole, SMALL_UNITS)
+    out["init"] = _logits(whole)
     # a failure on one rank fails both, and neither model keeps anything from the checkpoint
     model = _meta_model(paths["sharded"])
     broken = paths["sharded"] if rank == 0 else paths["root"] / "missing"
@@ -111,6 +115,7 @@ def test_a_meta_model_loads_each_ranks_shards_and_computes_as_from_pretrained(ch
             assert torch.equal(result[name], fp32), name
             assert result[f"{name}-gathered"] == 0, name  # nothing left gathered after the load
         assert torch.equal(result["bf16"], bf16)
+        assert torch.equal(result["init"], fp32)
 
 
 def test_a_sharded_model_loads_in_place_and_a_lightning_checkpoint_with_a_prefix(checkpoints, loaded):
