@@ -1,7 +1,8 @@
 """lightning_zero3: ZeRO stage 3 as a PyTorch Lightning strategy.
 
 ``import lightning_zero3`` registers the strategy name ``"zero3"`` with Lightning (``lightning.pytorch``,
-and ``pytorch_lightning`` when that package is installed), so ``Trainer(strategy="zero3")`` works.
+and ``pytorch_lightning`` when that package is installed, and Fabric), so ``Trainer(strategy="zero3")``
+and ``Fabric(strategy="zero3")`` work.
 """
 
 from .config import Zero3Config
@@ -20,6 +21,7 @@ from .checkpoint.export import save_full_weights
 from .checkpoint import CheckpointError, CheckpointMismatchError
 from .pretrained import PeerLoadError, load_pretrained
 from .precision import Zero3Precision
+from .fabric import Zero3FabricPrecision, Zero3FabricStrategy
 from .registration import register_strategies
 from .strategy import Zero3Strategy
 
@@ -39,6 +41,8 @@ __all__ = [
     "Zero3Config",
     "Zero3ConfigError",
     "Zero3Engine",
+    "Zero3FabricPrecision",
+    "Zero3FabricStrategy",
     "Zero3Precision",
     "Zero3Strategy",
     "engine_of",

@@ -1,6 +1,7 @@
-"""Registering ``"zero3"`` with Lightning's strategy registries.
+"""Registering ``"zero3"`` with Lightning's strategy registries: the Trainer's and Fabric's.
 
-Lightning only knows the names of the strategies it ships, so the package registers its own at import.
+Lightning only knows the names of the strategies it ships, so the package registers its own at import
+(``Zero3Strategy`` for ``Trainer(strategy="zero3")``, ``Zero3FabricStrategy`` for ``Fabric(strategy="zero3")``).
 
 [Note: two Lightnings]
 ``lightning.pytorch`` and ``pytorch_lightning`` are two separate copies of the same framework, with
@@ -26,12 +27,16 @@ _SWAPS = (
 
 
 def register_strategies() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from .fabric import Zero3FabricStrategy
     from .strategy import Zero3Strategy
 
     if Zero3Strategy.strategy_name not in StrategyRegistry:
         Zero3Strategy.register_strategies(StrategyRegistry)
+    if Zero3FabricStrategy.strategy_name not in STRATEGY_REGISTRY:  # Fabric's registry is its own
+        Zero3FabricStrategy.register_strategies(STRATEGY_REGISTRY)
     if importlib.util.find_spec("pytorch_lightning") is not None:
         _register_pytorch_lightning()
 

@@ -8,11 +8,8 @@ holds. Everything ZeRO-3 itself does lives in ``engine/``.
 
 from __future__ import annotations
 
-import inspect
-import itertools
 import logging
 import os
-import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -22,14 +19,8 @@ import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -46,33 +37,13 @@ from .checkpointing import CheckpointingMixin
 from .config import Zero3Config, default_nvme_path
 from .errors import Zero3ConfigError
 from .checkpoint.export import save_full_weights
-from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .knobs import DEFAULTS, build_config, knob_docstring
-from .engine import Communicator, NoTrainableParametersError, Zero3Engine, engine_of
+from .engine import Zero3Engine, engine_of
 from .engine.materialize import move_real_tensors, parameters_on_meta
-from .engine.watchdog import Watchdog
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
-from .process_exit import close_process_groups_at_exit, note_failure
+from .shared_setup import ProcessesMixin, new_engine, refuse_untrainable
 
 log = logging.getLogger(__name__)
-
-# One watchdog per Trainer run; every rank starts the same number of them, so their store keys agree.
-_WATCHDOG_GENERATIONS = itertools.count()
-
-
-def _init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
-    """The LightningModule's ``init_weights(module)``, the custom init for meta-device modules."""
-    hook = getattr(module, "init_weights", None)
-    if hook is None:
-        return None
-    try:
-        inspect.signature(hook).bind(module)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"zero3: `{type(module).__name__}.init_weights` must take one argument, the module to initialise "
-            "(it is called for every module built on the meta device, after its reset_parameters())."
-        ) from None
-    return hook
 
 
 class _RootCall(nn.Module):
@@ -91,7 +62,7 @@ class _RootCall(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
+class Zero3Strategy(CheckpointingMixin, ProcessesMixin, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer states partitioned across data-parallel ranks.
 
     ``Trainer(strategy="zero3")`` after ``import lightning_zero3``, or ``Trainer(strategy=Zero3Strategy(...))``
@@ -151,12 +122,8 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._num_nodes = 1
-        self._process_group_backend: Optional[str] = self.config.process_group_backend
         self._engine: Optional[Zero3Engine] = None
-        self._failed = False
-        # ranks of this job on this rank's cores, itself included (CPU only, set in setup_environment)
-        self.ranks_sharing_cores: Optional[int] = None
-        self._watchdog: Optional[Watchdog] = None
+        self._init_processes()
 
     # -- what Lightning looks up on a distributed strategy -----------------------------------------
 
@@ -187,10 +154,6 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
     def engine(self) -> Optional[Zero3Engine]:
         """The engine sharding the model, between ``setup`` and ``teardown``."""
         return self._engine
@@ -219,42 +182,10 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self.config.timeout, device_id=device_id
-        )
-        close_process_groups_at_exit()  # see [Note: process groups closed at exit] in process_exit.py
-        if self.root_device.type == "cpu":
-            # needs the process group: see [Note: the CPU thread budget] in cpu_threads.py
-            mine, everyone = gather_core_sets()
-            self.ranks_sharing_cores = ranks_sharing(mine, everyone)
-            torch.set_num_threads(self.config.cpu_threads or threads_per_rank(mine, self.ranks_sharing_cores))
-        self._start_watchdog()
+        self._start_processes()
 
-    def _start_watchdog(self) -> None:
-        """See ``engine/watchdog.py``: a failure on one rank ends every rank, with a message."""
-        if self._watchdog is not None or torch.distributed.get_world_size() < 2:
-            return
-        self._watchdog = Watchdog.for_default_group(self.config.timeout, next(_WATCHDOG_GENERATIONS))
-        self._watchdog.add_cleanup(lambda: self._engine.remove_swap_files() if self._engine is not None else None)
-        self._watchdog.start()
-
-    def _stop_watchdog(self) -> None:
-        watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None:
-            watchdog.stop()
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+    def _set_rank_zero_only(self, rank: int) -> None:
+        rank_zero_only.rank = utils_rank_zero_only.rank = rank
 
     # -- model and optimizers ---------------------------------------------------------------------
 
@@ -265,20 +196,15 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._failed = False
-        if fitting and not any(p.requires_grad for p in module.parameters()):
-            raise NoTrainableParametersError(
-                "zero3: the model has no trainable parameters (every parameter has requires_grad=False), so "
-                "there is nothing to train. Unfreeze at least one parameter, or call `trainer.validate`, "
-                "`trainer.test` or `trainer.predict` instead of `trainer.fit`."
-            )
+        if fitting:
+            refuse_untrainable(module, "call `trainer.validate`, `trainer.test` or `trainer.predict` instead of `trainer.fit`")
         precision = self.precision_plugin
         dtypes = precision.dtype_policy(self.config.reduce_dtype)
         engine = engine_of(module)
         if engine is None:
             precision.convert_module(module)
             self.model_to_device()
-            comm = Communicator(ranks_per_node=self.num_processes)  # Lightning numbers ranks node by node
-            engine = Zero3Engine(module, self.config, comm, self.root_device, dtypes, _init_hook(module))
+            engine = new_engine(module, self.config, self.root_device, dtypes, self.num_processes)
         else:
             self._reuse(engine, dtypes)
         self._engine = engine
@@ -372,13 +298,7 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
     # -- teardown ---------------------------------------------------------------------------------
 
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
-        note_failure()
-        if self._watchdog is not None:
-            # a peer that failed first, or is gone, is the likelier cause of this rank's error: say so
-            reason = self._watchdog.fail(f"{type(exception).__name__}: {exception}")
-            if reason is not None:
-                print(f"zero3: rank {self.global_rank} stops because {reason}.", file=sys.stderr, flush=True)
+        self._note_exception(exception)
 
     def teardown(self) -> None:
         self._stop_watchdog()  # before the process may end (see Watchdog.stop)
@@ -388,16 +308,12 @@ class Zero3Strategy(CheckpointingMixin, ParallelStrategy):
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         if self._failed:
-            # After an exception other ranks may be gone, so no collective may run: unhook and leave the
-            # weights sharded. The base teardown would move the module to CPU, reading every (released, or
-            # still meta: the engine failed while being built) weight and hiding the real error behind
-            # ours, so it runs with the module detached.
-            if engine is not None:
-                self._engine = None
-                if self._precision_plugin is not None:
-                    self._precision_plugin.engine = None
-                engine.hooks.remove()
-                engine.release_offload()  # swap files go; no collective involved
+            # The base teardown would move the module to CPU, reading every (released, or still meta: the
+            # engine failed while being built) weight and hiding the real error behind ours, so it runs
+            # with the module detached.
+            self._drop_engine_after_failure()
+            if self._precision_plugin is not None:
+                self._precision_plugin.engine = None
             self._lightning_module = None
             try:
                 super().teardown()

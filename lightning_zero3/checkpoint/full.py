@@ -33,10 +33,13 @@ STREAMED = "zero3: written unit by unit by save_full_checkpoint"
 
 
 def save_full_checkpoint(
-    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any]
+    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any],
+    model_key: str = "state_dict", optimizer_keys: Optional[list[str]] = None,
 ) -> None:
-    """Write ``extra`` plus ``state_dict`` and (given ``optimizers``) ``optimizer_states`` to ``path`` as
-    one ``torch.save`` file (a collective; rank 0 writes)."""
+    """Write ``extra`` plus the model's full state dict under ``model_key`` and the ``optimizers``' full
+    states to ``path`` as one ``torch.save`` file (a collective; rank 0 writes). The optimizers' states go
+    in a list under ``optimizer_states`` (Lightning's layout), or each under its own name of
+    ``optimizer_keys`` (Fabric's: ``{"model": ..., "optimizer": ...}``)."""
     engine.settle()
     writing = engine.comm.rank == 0
     layouts = [full_state_layout(optimizer, engine) for optimizer in optimizers]
@@ -48,11 +51,12 @@ def save_full_checkpoint(
         return later.get(key)
 
     checkpoint = dict(extra)
-    checkpoint["state_dict"] = _state_dict_skeleton(engine, hold)
-    if optimizers:
-        checkpoint["optimizer_states"] = [
-            _optimizer_skeleton(engine, optimizer, layout, i, hold) for i, (optimizer, layout) in enumerate(zip(optimizers, layouts))
-        ]
+    checkpoint[model_key] = _state_dict_skeleton(engine, hold)
+    states = [_optimizer_skeleton(engine, optimizer, layout, i, hold) for i, (optimizer, layout) in enumerate(zip(optimizers, layouts))]
+    if optimizer_keys is not None:
+        checkpoint.update(zip(optimizer_keys, states))
+    elif optimizers:
+        checkpoint["optimizer_states"] = states
     staging = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
     writer = None
     error: Optional[Exception] = None

@@ -1,0 +1,402 @@
+"""``Zero3FabricStrategy``: zero3 behind Lightning Fabric's door, ``Fabric(strategy="zero3")``.
+
+The second front door onto the same engine as ``Zero3Strategy`` (the Trainer's): processes, the engine
+and the precision flags come from ``shared_setup.py`` and ``precision_core.py``; this file only answers
+Fabric's calls. What each call does under zero3:
+
+- ``fabric.init_module(empty_init=True)``: parameters on the meta device (buffers real), built unit by
+  unit straight into shards at ``setup``; without ``empty_init`` the model is built whole and sharded.
+- ``fabric.setup(model, optimizer)`` (joint) or ``setup_module`` then ``setup_optimizers``: the model is
+  sharded in place (hooks on its modules, the same parameter objects), the optimizer steps the shards.
+  A ``torch.compile``d model is unwrapped, sharded and compiled again by Fabric.
+- ``fabric.backward``, ``clip_gradients`` (by the norm of the full gradient, or by value), the fp16 loss
+  scaler agreed by all ranks: as in the Trainer.
+- ``fabric.no_backward_sync(model)``: nothing to skip. Each micro-batch's gradients are reduce-scattered
+  into this rank's shard at once (so accumulating costs no memory beyond the 1/N gradient shard), and
+  the result is the same as with the sync skipped.
+- ``fabric.save(path, {"model": model, "optimizer": optimizer, ...})``: a sharded checkpoint directory
+  (``checkpoint_format="sharded"``, each rank its own pieces) or one file in Fabric DDP's layout
+  (``"full"``, written unit by unit); ``fabric.load`` takes either into the shards, on any number of
+  ranks for the sharded one; ``fabric.load_raw(path, model)`` reads a full state dict (or a Hugging Face
+  checkpoint) straight into the shards with ``load_pretrained``.
+
+One model per strategy (the engine it builds); a second, different model fails at its ``setup``.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+from lightning.fabric.strategies import ParallelStrategy, _StrategyRegistry
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded, _Stateful
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.types import ReduceOp
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from .checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from .checkpoint.files import save_file_atomically, torch_load_checked
+from .checkpoint.full import save_full_checkpoint
+from .config import SUPPORTED_PRECISION, Zero3Config, default_nvme_path
+from .engine import Zero3Engine, engine_of
+from .engine.materialize import move_real_tensors, parameters_on_meta
+from .errors import UnsupportedPrecisionError, Zero3ConfigError
+from .knobs import build_config
+from .precision_core import PrecisionCore
+from .pretrained import load_pretrained
+from .shared_setup import ProcessesMixin, new_engine
+
+
+class Zero3FabricPrecision(PrecisionCore, Precision):
+    """Fabric's zero3 precision plugin: the flags of ``precision.py``'s table, the same dtypes and scaler."""
+
+    def __init__(self, precision: str = "32-true", scaler: Any = None) -> None:
+        super().__init__(precision, scaler)
+        self._unscaled = False  # this step's gradients were unscaled (clipping comes before the step)
+        self._found_inf = False
+
+    def module_init_context(self) -> Any:
+        return self.tensor_init_context()
+
+    def tensor_init_context(self) -> Any:
+        # under the *-true flags modules are built in the flag's dtype, as Fabric's own half precision does
+        return nullcontext() if self.master_dtype == torch.float32 else _DtypeContextManager(self.master_dtype)
+
+    def backward(self, tensor: Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        self.scale_loss(tensor).backward(*args, **kwargs)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        if self.scaler is not None and not self._unscaled:
+            self._found_inf = self.scaler.unscale_and_check(self._require_engine(), list(self.main_params(optimizer)))
+            self._unscaled = True
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        self.unscale_gradients(optimizer)
+        found_inf, self._unscaled = self._found_inf, False
+        result = None if found_inf else optimizer.step(**kwargs)  # every rank skips the same step
+        self.scaler.update(found_inf)
+        return result
+
+
+def to_fabric_precision(plugin: Optional[Precision]) -> Optional[Zero3FabricPrecision]:
+    """Translate the plugin Fabric picked from its ``precision=`` flag into ``Zero3FabricPrecision``."""
+    if plugin is None or isinstance(plugin, Zero3FabricPrecision):
+        return plugin
+    flag = getattr(plugin, "precision", None)
+    if type(plugin) in (Precision, MixedPrecision, HalfPrecision) and flag in SUPPORTED_PRECISION:
+        return Zero3FabricPrecision(flag)
+    raise UnsupportedPrecisionError(
+        f"zero3: `precision={flag or type(plugin).__name__!r}` ({type(plugin).__name__}) is not supported by the "
+        f"zero3 strategy; use one of {list(SUPPORTED_PRECISION)}."
+    )
+
+
+class _NothingToSkip(_BackwardSyncControl):
+    """``no_backward_sync``: zero3 reduces each micro-batch into the shards (see the module's docstring)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> Any:
+        return nullcontext()
+
+
+class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
+    """ZeRO stage 3 for Fabric: ``Fabric(strategy="zero3")``, or ``Zero3FabricStrategy(**settings)`` with any
+    setting of :class:`~lightning_zero3.Zero3Config` as a keyword (or ``config=`` / ``deepspeed_config=``)."""
+
+    strategy_name = "zero3"
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        config: Optional[Zero3Config] = None,
+        deepspeed_config: Optional[Union[str, dict]] = None,
+        **settings: Any,
+    ) -> None:
+        self.config = build_config(config, deepspeed_config, settings)  # a bad setting fails here
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)  # fmt: skip
+        self._num_nodes = 1
+        self._engine: Optional[Zero3Engine] = None
+        self._backward_sync_control = _NothingToSkip()
+        self._init_processes()
+
+    # -- what Fabric looks up on a distributed strategy ---------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def engine(self) -> Optional[Zero3Engine]:
+        """The engine sharding the model, once ``setup`` has run."""
+        return self._engine
+
+    @property
+    def precision(self) -> Zero3FabricPrecision:
+        if self._precision is None:
+            self._precision = Zero3FabricPrecision()
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        plugin = to_fabric_precision(precision)
+        if plugin is not None:
+            plugin.dtype_policy(self.config.reduce_dtype)  # a flag that does not go with reduce_dtype fails now
+        self._precision = plugin
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._start_processes()
+
+    def _set_rank_zero_only(self, rank: int) -> None:
+        super()._set_rank_zero_only(rank)
+        rank_zero_only.rank = rank
+
+    # -- building and sharding the model ------------------------------------------------------------
+
+    def module_init_context(self, empty_init: Optional[bool] = None) -> Any:
+        """``empty_init=True``: parameters on the meta device, built into shards at ``setup`` (see
+        [Note: only parameters on the meta device] in engine/materialize.py)."""
+        stack = ExitStack()
+        if self.root_device.type != "cpu":
+            stack.enter_context(self.root_device)
+        if empty_init:
+            stack.enter_context(parameters_on_meta())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def module_sharded_context(self) -> Any:
+        return parameters_on_meta()
+
+    def module_to_device(self, module: nn.Module) -> None:
+        move_real_tensors(module, self.root_device)  # meta parameters stay: the engine builds them as shards
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None) -> tuple:
+        module = self.setup_module(module)
+        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place (it is returned as it is, with zero3's hooks on its modules)."""
+        engine = engine_of(module)
+        if engine is None:
+            if self._engine is not None:
+                raise Zero3ConfigError(
+                    "zero3: this Fabric strategy shards one model and has sharded another already; set the two "
+                    "up as one module (an nn.ModuleDict of both), or use one Fabric per model."
+                )
+            dtypes = self.precision.dtype_policy(self.config.reduce_dtype)
+            engine = new_engine(module, self.config, self.root_device, dtypes, self.num_processes)
+        self._engine = engine
+        self.precision.engine = engine
+        self.precision.device_type = self.root_device.type
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer steps this rank's shards from now on (its parameters are the model's own)."""
+        if self._engine is None:
+            raise RuntimeError("zero3: set the model up before its optimizer (`fabric.setup_module(model)` first).")
+        if optimizer not in self._engine.optimizers:
+            self._engine.shard_optimizer(optimizer)
+        return optimizer
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:  # fmt: skip
+        """Clip by the norm of the full gradient (a collective), as DDP's ``clip_grad_norm_`` sees it."""
+        self.precision.unscale_gradients(optimizer)
+        engine = self._require_engine()
+        total = engine.clip_grad_norm_(float(max_norm), float(norm_type), params=list(self.precision.main_params(optimizer)))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"zero3: the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), so "
+                "clipping cannot scale them; pass `error_if_nonfinite=False` to clip anyway."
+            )
+        return total
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self.precision.unscale_gradients(optimizer)
+        self._require_engine().clip_grad_value_(float(clip_val), params=list(self.precision.main_params(optimizer)))
+
+    def _require_engine(self) -> Zero3Engine:
+        if self._engine is None:
+            raise RuntimeError("zero3: the model is not set up yet; call `fabric.setup(model, optimizer)` first.")
+        return self._engine
+
+    # -- collectives --------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: Union[str, Path], state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:  # fmt: skip
+        """Every rank calls it. ``state``'s model and optimizers are written sharded or full (see the module's
+        docstring); everything else goes in as it is (objects with a ``state_dict``, their state dict)."""
+        if storage_options is not None:
+            raise TypeError("zero3: `fabric.save` takes no storage options: zero3 writes its checkpoints itself.")
+        path = Path(self.broadcast(str(path)))
+        if self._engine is None:  # nothing sharded yet: Fabric's own single file, from rank 0
+            if self.is_global_zero:
+                save_file_atomically(self._convert_stateful_objects_in_state(state, filter or {}), path)
+            return
+        if filter:
+            raise TypeError(
+                "zero3: `fabric.save(..., filter=...)` is not supported for a sharded model (its tensors are "
+                "written as shards, never gathered into a state dict to filter); save the whole state."
+            )
+        model_key, optimizer_keys, extra = self._split_state(state)
+        optimizers = [state[key] for key in optimizer_keys]
+        if self.config.checkpoint_format == "sharded":
+            save_sharded_checkpoint(path, self._engine, optimizers, extra)
+        else:  # rank 0 writes, unit by unit; its outcome reaches every rank
+            save_full_checkpoint(path, self._engine, optimizers, extra, model_key, optimizer_keys)
+
+    def _split_state(self, state: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
+        """The key of the sharded model, the keys of its optimizers, and the rest, made savable."""
+        models = [key for key, value in state.items() if isinstance(value, nn.Module)]
+        sharded = [key for key in models if self._owns(state[key])]
+        if len(models) != 1 or len(sharded) != 1:
+            raise ValueError(
+                f"zero3: a checkpoint of a sharded model holds that one model (found modules under {models}); "
+                "save other modules' state dicts as plain values, or in a checkpoint of their own."
+            )
+        optimizer_keys = [key for key, value in state.items() if isinstance(value, Optimizer)]
+        foreign = [key for key in optimizer_keys if state[key] not in self._require_engine().optimizers]
+        if foreign:
+            raise ValueError(f"zero3: the optimizers under {foreign} were not set up with this model (`fabric.setup`).")
+        extra = {
+            key: value.state_dict() if isinstance(value, _Stateful) else value
+            for key, value in state.items()
+            if key not in models and key not in optimizer_keys
+        }  # fmt: skip
+        return sharded[0], optimizer_keys, extra
+
+    def _owns(self, module: nn.Module) -> bool:
+        return self._engine is not None and (module is self._engine.module or engine_of(module) is self._engine)
+
+    def load_checkpoint(self, path: Union[str, Path], state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:  # fmt: skip
+        """Every rank calls it. Fills ``state``'s model and optimizers in place (straight into the shards) and
+        its other entries from the checkpoint; returns what the checkpoint holds beyond ``state``."""
+        path = Path(self.broadcast(str(path)))
+        if isinstance(state, nn.Module) and self._owns(state):  # fabric.load_raw(path, model)
+            load_pretrained(state, path, strict=strict)
+            return {}
+        if isinstance(state, Optimizer) and self._engine is not None and state in self._engine.optimizers:
+            self._engine.load_full_optimizer_state(state, torch_load_checked(path, weights_only, mmap=True))
+            return {}
+        if not state or self._engine is None or not isinstance(state, dict):
+            if is_sharded_checkpoint(path):
+                raise ValueError(
+                    f"zero3: {path} is a sharded checkpoint: it loads into the model it was saved from; call "
+                    "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})` after `fabric.setup`."
+                )
+            return super().load_checkpoint(path, state, strict, weights_only)
+        model_key, optimizer_keys, _ = self._split_state(state)
+        optimizers = [state[key] for key in optimizer_keys]
+        if is_sharded_checkpoint(path):
+            rest = load_sharded_checkpoint(path, self._engine, optimizers, strict, weights_only)
+        else:
+            rest = torch_load_checked(path, weights_only, mmap=True)  # slices taken, pages dropped
+            missing = [key for key in [model_key, *optimizer_keys] if key not in rest]
+            if missing:
+                raise KeyError(f"zero3: {path} holds nothing under {missing}; it holds {sorted(rest)}.")
+            self._engine.load_full_state_dict(rest.pop(model_key), strict=strict)
+            for key, optimizer in zip(optimizer_keys, optimizers):
+                self._engine.load_full_optimizer_state(optimizer, rest.pop(key))
+        for key in [k for k in state if k != model_key and k not in optimizer_keys]:
+            if key not in rest:
+                if strict:
+                    raise KeyError(f"zero3: {path} holds no {key!r} (it holds {sorted(rest)}); pass strict=False to skip it.")
+                continue
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(rest.pop(key))
+            else:
+                state[key] = rest.pop(key)
+        return rest
+
+    # -- teardown ---------------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        self._stop_watchdog()
+        if self._failed:
+            self._drop_engine_after_failure()
+        elif self._engine is not None:
+            self._engine.residency.leave()
+            self._engine.trim()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="ZeRO stage 3: parameters, gradients and optimizer states sharded"
+        )
+        strategy_registry.register(
+            "zero3_offload", cls, description="ZeRO stage 3 with optimizer state and parameter shards in host memory",
+            offload_optimizer="cpu", offload_params="cpu",
+        )  # fmt: skip
+        strategy_registry.register(
+            "zero3_offload_nvme", cls, description="ZeRO stage 3 with optimizer state and parameter shards on NVMe",
+            offload_optimizer="nvme", offload_params="nvme", nvme_path=default_nvme_path(),
+        )  # fmt: skip

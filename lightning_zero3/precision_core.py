@@ -1,0 +1,93 @@
+"""What zero3's precision plugins for the Trainer (``precision.py``) and Fabric (``fabric.py``) share: the
+dtypes of each ``precision=`` flag (see the table in ``precision.py``), converting the module and inputs,
+autocast, the sharded loss scaler and its state."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Any, Generator, Optional
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+
+from .config import DTYPES, SUPPORTED_PRECISION
+from .errors import UnsupportedPrecisionError
+from .engine import Zero3Engine
+from .engine.scaler import ShardedLossScaler
+from .engine.shard import DtypePolicy
+
+_COMPUTE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+            "bf16-true": torch.bfloat16, "16-true": torch.float16}  # fmt: skip
+
+
+class PrecisionCore:
+    """The dtypes and loss scaling of a precision flag under zero3: what the Trainer's plugin
+    (``precision.py``) and Fabric's (``fabric.py``) share. A mixin placed before Lightning's base class."""
+
+    def __init__(self, precision: str = "32-true", scaler: Optional[ShardedLossScaler] = None) -> None:
+        if precision not in SUPPORTED_PRECISION:
+            raise UnsupportedPrecisionError(
+                f"zero3: `precision={precision!r}` is not supported; use one of {list(SUPPORTED_PRECISION)}."
+            )
+        if scaler is not None and precision != "16-mixed":
+            raise UnsupportedPrecisionError(f"zero3: a loss scaler only applies to '16-mixed', not {precision!r}.")
+        self.precision = precision
+        self.compute_dtype = _COMPUTE[precision]
+        self.mixed = precision.endswith("-mixed")
+        self.master_dtype = torch.float32 if self.mixed or precision == "32-true" else self.compute_dtype
+        self.scaler = scaler or (ShardedLossScaler() if precision == "16-mixed" else None)
+        self.engine: Optional[Zero3Engine] = None
+        self.device_type = "cpu"  # set by the strategy at setup, for autocast
+
+    def dtype_policy(self, reduce_dtype: Optional[str]) -> DtypePolicy:
+        """The engine's dtypes for this flag and the ``reduce_dtype`` setting (checked against each other)."""
+        allowed = {torch.float32, self.compute_dtype} if self.mixed else {self.master_dtype}
+        reduce = DTYPES[reduce_dtype] if reduce_dtype else self.master_dtype
+        if reduce not in allowed:
+            names = sorted(name for name, dtype in DTYPES.items() if dtype in allowed)
+            raise UnsupportedPrecisionError(
+                f"zero3: `reduce_dtype={reduce_dtype!r}` does not go with `precision={self.precision!r}`; "
+                f"use one of {names} (or None for the default)."
+            )
+        return DtypePolicy(compute=self.compute_dtype, reduce=reduce)
+
+    # -- module, inputs, forward ------------------------------------------------------------------
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module if self.master_dtype == torch.float32 else module.to(dtype=self.master_dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        if self.mixed or self.precision == "32-true":
+            return data
+        return apply_to_collection(data, torch.Tensor, _to_dtype_if_float, self.compute_dtype)
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.mixed:
+            context = torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False)
+        else:
+            context = nullcontext()
+        with context:
+            yield
+
+    def scale_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(tensor) if self.scaler is not None else tensor
+
+    def _require_engine(self) -> Zero3Engine:
+        if self.engine is None:
+            raise RuntimeError("zero3: the precision plugin was used before the strategy set up its engine.")
+        return self.engine
+
+    # -- checkpointed state -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+def _to_dtype_if_float(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor

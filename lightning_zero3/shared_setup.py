@@ -1,0 +1,142 @@
+"""What both front doors share (``Zero3Strategy`` for the Trainer, ``Zero3FabricStrategy`` for Fabric):
+starting this job's processes on torch.distributed, watching them, and building the engine.
+
+Each door keeps only what its framework asks for; ``ProcessesMixin`` expects the attributes both
+Lightning strategy bases have (``cluster_environment``, ``root_device``, ``node_rank``, ``local_rank``,
+``num_nodes``, ``num_processes``) and the door's own ``config`` and ``_engine``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.distributed
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
+
+from .config import Zero3Config
+from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
+from .engine import Communicator, Zero3Engine
+from .engine.shard import DtypePolicy
+from .engine.watchdog import Watchdog
+from .process_exit import close_process_groups_at_exit, note_failure
+
+# One watchdog per run; every rank starts the same number of them, so their store keys agree.
+_WATCHDOG_GENERATIONS = itertools.count()
+
+
+class ProcessesMixin:
+    """Process group, CPU thread budget and watchdog for a zero3 strategy (either door)."""
+
+    config: Zero3Config
+    _engine: Optional[Zero3Engine]
+
+    def _init_processes(self) -> None:
+        self._process_group_backend: Optional[str] = self.config.process_group_backend
+        self._failed = False
+        # ranks of this job on this rank's cores, itself included (CPU only, set in _start_processes)
+        self.ranks_sharing_cores: Optional[int] = None
+        self._watchdog: Optional[Watchdog] = None
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def _start_processes(self) -> None:
+        """Join the job's process group (Lightning's launcher or torchrun / SLURM started the processes)."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self.config.timeout, device_id=device_id
+        )
+        close_process_groups_at_exit()  # see [Note: process groups closed at exit] in process_exit.py
+        if self.root_device.type == "cpu":
+            # needs the process group: see [Note: the CPU thread budget] in cpu_threads.py
+            mine, everyone = gather_core_sets()
+            self.ranks_sharing_cores = ranks_sharing(mine, everyone)
+            torch.set_num_threads(self.config.cpu_threads or threads_per_rank(mine, self.ranks_sharing_cores))
+        self._start_watchdog()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        self._set_rank_zero_only(self.global_rank)
+
+    def _set_rank_zero_only(self, rank: int) -> None:
+        utils_rank_zero_only.rank = rank
+
+    def _start_watchdog(self) -> None:
+        """See ``engine/watchdog.py``: a failure on one rank ends every rank, with a message."""
+        if self._watchdog is not None or torch.distributed.get_world_size() < 2:
+            return
+        self._watchdog = Watchdog.for_default_group(self.config.timeout, next(_WATCHDOG_GENERATIONS))
+        self._watchdog.add_cleanup(lambda: self._engine.remove_swap_files() if self._engine is not None else None)
+        self._watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
+
+    def _note_exception(self, exception: BaseException) -> None:
+        """This rank failed: say so to the watchdog (the other ranks end too), naming the likelier cause."""
+        self._failed = True
+        note_failure()
+        if self._watchdog is not None:
+            # a peer that failed first, or is gone, is the likelier cause of this rank's error: say so
+            reason = self._watchdog.fail(f"{type(exception).__name__}: {exception}")
+            if reason is not None:
+                print(f"zero3: rank {self.global_rank} stops because {reason}.", file=sys.stderr, flush=True)
+
+    def _drop_engine_after_failure(self) -> None:
+        """After an exception other ranks may be gone, so no collective may run: unhook and leave the
+        weights sharded; swap files go (no collective involved)."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.hooks.remove()
+            engine.release_offload()
+
+
+def init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
+    """The module's ``init_weights(module)``, the custom init for modules built on the meta device."""
+    hook = getattr(module, "init_weights", None)
+    if hook is None:
+        return None
+    try:
+        inspect.signature(hook).bind(module)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"zero3: `{type(module).__name__}.init_weights` must take one argument, the module to initialise "
+            "(it is called for every module built on the meta device, after its reset_parameters())."
+        ) from None
+    return hook
+
+
+def new_engine(module: nn.Module, config: Zero3Config, device: torch.device, dtypes: DtypePolicy,
+               ranks_per_node: int) -> Zero3Engine:  # fmt: skip
+    """Shard ``module`` (Lightning numbers ranks node by node: ``ranks_per_node`` consecutive ranks per node)."""
+    comm = Communicator(ranks_per_node=ranks_per_node)
+    return Zero3Engine(module, config, comm, device, dtypes, init_hook(module))
+
+
+def refuse_untrainable(module: nn.Module, action: str) -> None:
+    """Training asked of a model with no trainable parameter: fail before anything is built."""
+    from .engine import NoTrainableParametersError
+
+    if not any(p.requires_grad for p in module.parameters()):
+        raise NoTrainableParametersError(
+            "zero3: the model has no trainable parameters (every parameter has requires_grad=False), so "
+            f"there is nothing to train. Unfreeze at least one parameter, or {action}."
+        )

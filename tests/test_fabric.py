@@ -1,0 +1,68 @@
+"""``Fabric(strategy="zero3")``: Fabric loops reproduce Fabric DDP's (``tests/scripts/fabric_run.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_script
+from lightning.fabric import Fabric
+
+import lightning_zero3
+from lightning_zero3 import UnsupportedPrecisionError, Zero3FabricPrecision, Zero3FabricStrategy
+
+SCRIPT = Path(__file__).parent / "scripts" / "fabric_run.py"
+LOSS_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric")
+    run_script(SCRIPT, out)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", ["clip", "accum", "raw"])
+def test_fabric_zero3_losses_equal_fabric_ddps(ranks, case):
+    """Clipping by the global norm, accumulation under ``no_backward_sync``, and a model built with
+    ``init_module(empty_init=True)`` whose weights come from ``fabric.load_raw`` of a plain state dict."""
+    for result in ranks:
+        zero3, ddp = result[f"{case}-zero3"]["losses"], result[f"{case}-ddp"]["losses"]
+        assert len(zero3) == len(ddp) >= 3
+        assert zero3 == pytest.approx(ddp, rel=LOSS_RTOL, abs=0)
+
+
+def test_model_states_are_sharded(ranks):
+    for result in ranks:
+        zero3, ddp = result["clip-zero3"], result["clip-ddp"]
+        assert zero3["trainable_units"] >= 3
+        assert zero3["optimizer_state_bytes"] == pytest.approx(ddp["optimizer_state_bytes"] / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_save_load_resumes_bitwise(ranks, fmt):
+    for result in ranks:
+        run = result[f"resume-{fmt}"]
+        assert run["resumed"] == run["straight"]  # bitwise, into a model that started from other weights
+        assert run["step"] == 3 and run["rest"] == []
+        assert run["is_file"] is (fmt == "full")
+
+
+def test_a_full_checkpoint_is_fabric_ddps_own_file(ranks):
+    for result in ranks:
+        assert result["full-into-ddp"]["losses"] == result["resume-full"]["straight"]
+        assert result["full-into-ddp"]["step"] == 3
+
+
+def test_the_names_are_in_fabrics_registry_and_settings_and_flags_are_checked():
+    fabric = Fabric(strategy="zero3_offload", accelerator="cpu", devices=1, precision="bf16-mixed")
+    assert isinstance(fabric.strategy, Zero3FabricStrategy)
+    assert fabric.strategy.config.offload_optimizer == "cpu" and fabric.strategy.config.offload_params == "cpu"
+    assert isinstance(fabric.strategy.precision, Zero3FabricPrecision)
+    assert fabric.strategy.precision.compute_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="persistence_threshold"):
+        Zero3FabricStrategy(persistence_threshold=-1)
+    with pytest.raises(UnsupportedPrecisionError, match="reduce_dtype='fp16'"):
+        Fabric(strategy=Zero3FabricStrategy(reduce_dtype="fp16"), accelerator="cpu", devices=1, precision="bf16-mixed")
+    assert lightning_zero3.Zero3FabricStrategy.strategy_name == "zero3"
