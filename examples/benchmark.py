@@ -19,7 +19,9 @@ run is a fresh set of processes:
 - ``zero3``, ``ddp`` and ``fsdp2`` go through a Lightning ``Trainer`` (FSDP2 is Lightning's
   ``ModelParallelStrategy`` with ``fully_shard`` applied per block in ``configure_model``);
 - ``deepspeed`` is the ``deepspeed`` package's ZeRO-3 engine driven by a plain loop under ``torchrun``
-  (Lightning's DeepSpeed strategy refuses CPUs); it is reported as skipped when DeepSpeed is missing.
+  (Lightning's DeepSpeed strategy refuses CPUs); it is reported as skipped when DeepSpeed is missing;
+- ``zero3_fabric`` is zero3 behind Lightning Fabric (``Fabric(strategy=Zero3FabricStrategy(...))``), the same
+  model, optimizer and batches in a plain Fabric loop: the cost of the second front door.
 
 The table: median step time (the warm-up steps excluded) and tokens/s, the ratio to DDP, the highest
 per-rank peak resident memory (the kernel's ``VmHWM``), per-rank model-state bytes (parameters +
@@ -44,8 +46,8 @@ sys.path.insert(0, str(HERE))
 
 from processes import close_process_group, exit_note, peak_rss, read_result, run_worker  # noqa: E402
 
-STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_hpz", "zero3_int8", "zero3_hpz_int8")
-ONE_NODE = "zero3,ddp,fsdp2,deepspeed"
+STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_fabric", "zero3_hpz", "zero3_int8", "zero3_hpz_int8")
+ONE_NODE = "zero3,ddp,fsdp2,deepspeed,zero3_fabric"
 SEVERAL_NODES = "zero3,zero3_hpz,zero3_int8,zero3_hpz_int8,ddp,fsdp2"
 # zero3's variants: the settings each adds to ``--zero3``
 ZERO3_VARIANTS = {
@@ -456,10 +458,61 @@ def _deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def fabric_worker(args: argparse.Namespace) -> None:
+    """zero3 through Fabric: the Trainer rows' model (``GPTModule``'s GPT and optimizer), batches and steps."""
+    import torch
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    import lightning_zero3
+    from gpt import GPTModule
+
+    strategy = lightning_zero3.Zero3FabricStrategy(**zero3_knobs(args.zero3))
+    fabric = Fabric(strategy=strategy, accelerator=args.accelerator, devices=args.devices, precision=args.precision)
+    fabric.launch()
+    fabric.seed_everything(0)
+    module = GPTModule(model_config(args))  # the Trainer rows' GPT and its optimizer, built the same way
+    optimizer = module.configure_optimizers()
+    model, optimizer = fabric.setup(module.model, optimizer)
+    # the same batches as Lightning's injected sampler: shuffled with the global seed (0), split by rank
+    data = dataset(args)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=fabric.world_size, rank=fabric.global_rank, seed=0)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=args.batch_size, sampler=sampler),
+                                      use_distributed_sampler=False)  # fmt: skip
+    step_times, losses, state = [], [], 0
+    engine = strategy.engine
+    comm_at_warmup = None
+    for step, (x, y) in enumerate(loader):
+        if step == args.warmup:
+            comm_at_warmup = sum(s.exposed_seconds for s in engine.comm.stats.values())
+        if args.accelerator == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        fabric.backward(loss)
+        report = engine.memory_report()
+        state = report["param_shards"] + report["persistent_params"] + report["grad_shards"] + report["optimizer_state"]
+        optimizer.step()
+        optimizer.zero_grad()
+        if args.accelerator == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            step_times.append(time.perf_counter() - start)
+        losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+    exposed = (sum(s.exposed_seconds for s in engine.comm.stats.values()) - comm_at_warmup) / len(step_times)
+    figures = fabric.all_reduce(torch.tensor([peak_rss(), state], dtype=torch.float64, device=fabric.device), reduce_op="max")
+    if fabric.global_rank == 0:
+        write_result(args, step_times, losses, int(figures[0]), int(figures[1]), exposed)
+
+
 if __name__ == "__main__":
     arguments = parse_args()
     if arguments.worker == "deepspeed":
         deepspeed_worker(arguments)
+    elif arguments.worker == "zero3_fabric":
+        fabric_worker(arguments)
     elif arguments.worker:
         lightning_worker(arguments.worker, arguments)
     else:

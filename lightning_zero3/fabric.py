@@ -16,7 +16,8 @@ Fabric's calls. What each call does under zero3:
   the result is the same as with the sync skipped.
 - ``fabric.save(path, {"model": model, "optimizer": optimizer, ...})``: a sharded checkpoint directory
   (``checkpoint_format="sharded"``, each rank its own pieces) or one file in Fabric DDP's layout
-  (``"full"``, written unit by unit); ``fabric.load`` takes either into the shards, on any number of
+  (``"full"``, written unit by unit; a ``filter`` on the model keeps some of its tensors, and units
+  without any are not gathered); ``fabric.load`` takes either into the shards, on any number of
   ranks for the sharded one; ``fabric.load_raw(path, model)`` reads a full state dict (or a Hugging Face
   checkpoint) straight into the shards with ``load_pretrained``.
 
@@ -37,7 +38,7 @@ from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Pr
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.strategies import ParallelStrategy, _StrategyRegistry
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded, _Stateful
+from lightning.fabric.strategies.strategy import TBroadcast, _apply_filter, _BackwardSyncControl, _Sharded, _Stateful
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -298,20 +299,22 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
             if self.is_global_zero:
                 save_file_atomically(self._convert_stateful_objects_in_state(state, filter or {}), path)
             return
-        if filter:
-            raise TypeError(
-                "zero3: `fabric.save(..., filter=...)` is not supported for a sharded model (its tensors are "
-                "written as shards, never gathered into a state dict to filter); save the whole state."
-            )
-        model_key, optimizer_keys, extra = self._split_state(state)
+        model_key, optimizer_keys, extra = self._split_state(state, filter or {})
         optimizers = [state[key] for key in optimizer_keys]
         if self.config.checkpoint_format == "sharded":
+            if filter:
+                raise TypeError(
+                    "zero3: `fabric.save(..., filter=...)` needs `checkpoint_format='full'`: a sharded checkpoint "
+                    "holds whole shards (as torch FSDP's sharded state dicts, which refuse filters too)."
+                )
             save_sharded_checkpoint(path, self._engine, optimizers, extra)
         else:  # rank 0 writes, unit by unit; its outcome reaches every rank
-            save_full_checkpoint(path, self._engine, optimizers, extra, model_key, optimizer_keys)
+            keep = (filter or {}).get(model_key)
+            save_full_checkpoint(path, self._engine, optimizers, extra, model_key, optimizer_keys, keep)
 
-    def _split_state(self, state: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
-        """The key of the sharded model, the keys of its optimizers, and the rest, made savable."""
+    def _split_state(self, state: dict[str, Any], filter: Optional[dict] = None) -> tuple[str, list[str], dict[str, Any]]:
+        """The key of the sharded model, the keys of its optimizers, and the rest, made savable (with
+        ``filter`` applied to the rest as Fabric applies it; the model's filter is the writer's)."""
         models = [key for key, value in state.items() if isinstance(value, nn.Module)]
         sharded = [key for key in models if self._owns(state[key])]
         if len(models) != 1 or len(sharded) != 1:
@@ -323,11 +326,13 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
         foreign = [key for key in optimizer_keys if state[key] not in self._require_engine().optimizers]
         if foreign:
             raise ValueError(f"zero3: the optimizers under {foreign} were not set up with this model (`fabric.setup`).")
-        extra = {
-            key: value.state_dict() if isinstance(value, _Stateful) else value
-            for key, value in state.items()
-            if key not in models and key not in optimizer_keys
-        }  # fmt: skip
+        filtered = [key for key in optimizer_keys if key in (filter or {})]
+        if filtered:
+            raise TypeError(f"zero3: `fabric.save(..., filter=...)` of optimizer state ({filtered}) is not supported.")
+        extra: dict[str, Any] = {}
+        for key, value in state.items():
+            if key not in models and key not in optimizer_keys:
+                _apply_filter(key, filter or {}, value.state_dict() if isinstance(value, _Stateful) else value, extra)
         return sharded[0], optimizer_keys, extra
 
     def _owns(self, module: nn.Module) -> bool:

@@ -13,14 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_benchmark_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--strategies", "zero3,ddp,fsdp2,deepspeed"]
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--strategies", "zero3,ddp,fsdp2,deepspeed,zero3_fabric"]
     cmd += ["--runs", "1", "--steps", "5", "--warmup", "2", "--n-layer", "2", "--n-embd", "64", "--n-head", "2"]
     cmd += ["--block-size", "32", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(out.read_text())
     rows = summary["rows"]
-    assert {"zero3", "ddp", "fsdp2"} <= rows.keys(), summary["skipped"]  # why a strategy has no row
+    assert {"zero3", "ddp", "fsdp2", "zero3_fabric"} <= rows.keys(), summary["skipped"]  # why a strategy has no row
     if importlib.util.find_spec("deepspeed") is None:
         assert "not installed" in summary["skipped"]["deepspeed"]
     else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,11 +35,14 @@ STREAMED = "zero3: written unit by unit by save_full_checkpoint"
 def save_full_checkpoint(
     path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any],
     model_key: str = "state_dict", optimizer_keys: Optional[list[str]] = None,
+    keep: Optional[Callable[[str, Any], bool]] = None,
 ) -> None:
     """Write ``extra`` plus the model's full state dict under ``model_key`` and the ``optimizers``' full
     states to ``path`` as one ``torch.save`` file (a collective; rank 0 writes). The optimizers' states go
     in a list under ``optimizer_states`` (Lightning's layout), or each under its own name of
-    ``optimizer_keys`` (Fabric's: ``{"model": ..., "optimizer": ...}``)."""
+    ``optimizer_keys`` (Fabric's: ``{"model": ..., "optimizer": ...}``). ``keep(name, value)``: only the
+    model's entries it accepts are written (Fabric's ``filter``; a parameter is passed as itself, which a
+    released one allows only metadata of), and units with none of them are not gathered."""
     engine.settle()
     writing = engine.comm.rank == 0
     layouts = [full_state_layout(optimizer, engine) for optimizer in optimizers]
@@ -51,7 +54,13 @@ def save_full_checkpoint(
         return later.get(key)
 
     checkpoint = dict(extra)
-    checkpoint[model_key] = _state_dict_skeleton(engine, hold)
+    own = engine.module.state_dict(keep_vars=True)
+    names = None
+    if keep is not None:  # rank 0's choice, by name, for every rank (a filter need not answer alike everywhere)
+        names = [name for name, value in own.items() if keep(name, value)] if writing else None
+        names = set(engine.comm.all_gather_objects(names)[0] if engine.comm.world_size > 1 else names)
+    checkpoint[model_key] = _state_dict_skeleton(engine, own, hold, names)
+    kept = {id(own[name]) for name in names} if names is not None else None
     states = [_optimizer_skeleton(engine, optimizer, layout, i, hold) for i, (optimizer, layout) in enumerate(zip(optimizers, layouts))]
     if optimizer_keys is not None:
         checkpoint.update(zip(optimizer_keys, states))
@@ -64,7 +73,7 @@ def save_full_checkpoint(
         if writing:
             path.parent.mkdir(parents=True, exist_ok=True)
             writer = TorchFileWriter(staging, checkpoint, later.values())
-        _stream_values(engine, optimizers, layouts, writer, later)
+        _stream_values(engine, optimizers, layouts, writer, later, kept)
         if writer is not None:
             writer.close()
             writer = None
@@ -88,9 +97,12 @@ def save_full_checkpoint(
     agree_on_outcome(engine.comm, path, "writing it", report)  # [Note: a failed save fails everywhere]
 
 
-def _state_dict_skeleton(engine: Zero3Engine, hold) -> dict[str, Any]:
+def _state_dict_skeleton(engine: Zero3Engine, own: dict[str, Any], hold, names: Optional[set] = None) -> dict[str, Any]:
+    """The model's entries (``names`` only, when given), its parameters as placeholders to fill."""
     state: dict[str, Any] = {}
-    for name, value in engine.module.state_dict(keep_vars=True).items():
+    for name, value in own.items():
+        if names is not None and name not in names:
+            continue
         slot = engine.slots.get(id(value))
         if slot is not None:
             state[name] = hold(("param", id(slot.param)), slot.param.shape, engine.group_of(slot.shard_param)[0].dtype)
@@ -109,8 +121,10 @@ def _optimizer_skeleton(engine: Zero3Engine, optimizer: torch.optim.Optimizer, l
     return {"state": state, "param_groups": groups}
 
 
-def _stream_values(engine: Zero3Engine, optimizers, layouts, writer: Optional[TorchFileWriter], later: dict) -> None:
-    """Gather unit after unit (weights, then each optimizer-state key) and let rank 0 write each tensor.
+def _stream_values(engine: Zero3Engine, optimizers, layouts, writer: Optional[TorchFileWriter], later: dict,
+                   kept: Optional[set] = None) -> None:  # fmt: skip
+    """Gather unit after unit (weights, then each optimizer-state key) and let rank 0 write each tensor;
+    with ``kept`` (ids of the parameters written), units holding none of them are skipped.
 
     On a failure of the writer, rank 0 stops writing but keeps taking part in the gathers, so the other
     ranks are never left waiting in a collective."""
@@ -119,6 +133,8 @@ def _stream_values(engine: Zero3Engine, optimizers, layouts, writer: Optional[To
     def fill(key: tuple, values: torch.Tensor) -> None:
         if writer is None or broken:
             return
+        if key not in later:
+            return  # left out by the filter
         try:
             writer.fill(later[key], values.cpu())
         except Exception as failure:  # noqa: BLE001 - re-raised once every gather is done
@@ -126,9 +142,10 @@ def _stream_values(engine: Zero3Engine, optimizers, layouts, writer: Optional[To
 
     for runtime in engine.runtimes:
         group = runtime.group
-        with group.gathered_master() as master:
-            for slot in group.slots:
-                fill(("param", id(slot.param)), master[slot.offset : slot.offset + slot.numel])
+        if kept is None or any(id(slot.param) in kept for slot in group.slots):
+            with group.gathered_master() as master:
+                for slot in group.slots:
+                    fill(("param", id(slot.param)), master[slot.offset : slot.offset + slot.numel])
         for number, (optimizer, layout) in enumerate(zip(optimizers, layouts)):
             indices = [i for i, p in enumerate(layout.params) if engine.group_of(p)[0] is group]
             for key in sorted({k for i in indices for k in layout.keys_of.get(i, ())}):

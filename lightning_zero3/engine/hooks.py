@@ -25,6 +25,14 @@ The identity returns detached aliases of its inputs (same storage, same version 
 themselves, which autograd would turn into views that refuse in-place changes: a module may modify its
 input in place exactly as it could without zero3.
 
+[Note: hooks under torch.compile]
+A compiled model runs its modules' hooks inside the code dynamo traces. Traced, a hook's gathers, class
+swaps of released parameters and schedule bookkeeping would be turned into a graph (and released
+parameters, which have no data, fail there). So every module hook is wrapped in
+``torch.compiler.disable``: dynamo breaks the graph at each hook, runs it as ordinary Python, and
+compiles the module code between the hooks, where the unit's parameters are gathered. (Autograd's
+hooks run in the backward engine, outside any traced graph.)
+
 [Note: forward inside backward]
 Activation checkpointing re-runs a unit's forward during backward. Releasing after that forward would
 free weights that the recomputed graph is about to use, and torch's non-reentrant checkpoint may stop
@@ -106,11 +114,11 @@ class HookManager:
         self._handles: list[RemovableHandle] = []
         self._root_depth = 0
         self._backward_running = False  # a backward pass has started and its end callback is queued
-        self._handles.append(root_module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
-        self._handles.append(root_module.register_forward_hook(self._root_post_forward))
+        self._handles.append(root_module.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True))
+        self._handles.append(root_module.register_forward_hook(_eager(self._root_post_forward)))
         for module, runtime in ([(root_module, root)] if root else []) + units:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward(runtime), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_forward(runtime)))
+            self._handles.append(module.register_forward_pre_hook(_eager(self._pre_forward(runtime)), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(_eager(self._post_forward(runtime))))
         for runtime in self.runtimes:
             for slot in runtime.group.trainable_slots:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(self._grad_ready(runtime)))
@@ -275,6 +283,11 @@ class HookManager:
                 runtime.maybe_release()
             self._backward_running = False
         self.schedule.end_backward()  # compares recorded traces across ranks (may raise)
+
+
+def _eager(hook: Callable) -> Callable:
+    """``hook`` run as Python, never traced by ``torch.compile``: see [Note: hooks under torch.compile]."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _tensors_in(output: Any) -> list[torch.Tensor]:
