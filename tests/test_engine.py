@@ -15,7 +15,7 @@ from distributed import run_ranks
 from gpt import GPT, GPTConfig, random_tokens
 from torch import nn
 
-from lightning_zero3 import ParameterNotGatheredError, Zero3Config, Zero3Engine, gathered_parameters
+from lightning_zero3 import ParameterNotGatheredError, Zero3Config, Zero3ConfigError, Zero3Engine, gathered_parameters
 from lightning_zero3.engine import parking
 from lightning_zero3.engine.memory import resident_bytes
 from lightning_zero3.engine.optim import OptimizerShardingError
@@ -428,3 +428,13 @@ def test_a_cpu_offload_engine_keeps_large_host_temporaries_out_of_the_heap(engin
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == str(mapped)
+
+
+@pytest.mark.parametrize("policy", [["Blok"], [nn.Conv2d], lambda module: False], ids=["name", "class", "callable"])
+def test_a_unit_policy_that_selects_nothing_fails_naming_it_and_the_repeating_classes(policy):
+    """Else the whole model would be one root unit, gathered for every forward, with no warning."""
+    with pytest.raises(Zero3ConfigError, match=r"`unit_modules` entry \[.+\] matches no module of GPT.*Classes that repeat in it: \['Block'"):
+        Zero3Engine(GPT(CFG), Zero3Config(unit_modules=policy, tune_collectives=False))
+    with pytest.warns(UserWarning, match=r"entries \['Blok'\] match no module of GPT"):
+        engine = Zero3Engine(GPT(CFG), Zero3Config(unit_modules=["Block", "Blok"], tune_collectives=False))
+    assert len(engine.unit_runtimes) == CFG.n_layer

@@ -22,6 +22,7 @@ Rules, in order:
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -29,6 +30,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from ..config import UnitPolicy
+from ..errors import Zero3ConfigError
 
 ROOT = ""  # module path of the root unit
 ADAPTER_SHARE = 1 / 8  # most elements of a frozen unit that its trainable parameters may hold to be adapters (rule 4)
@@ -59,6 +61,8 @@ def plan_units(root: nn.Module, policy: UnitPolicy, persistence_threshold: int) 
             continue
         if is_unit(module, path, root):
             unit_paths.append(path)
+    if policy is not None:
+        _check_policy_matches(root, policy, [root.get_submodule(p) for p in unit_paths])
     specs = {ROOT: UnitSpec(ROOT, root)}
     for path in unit_paths:
         specs[path] = UnitSpec(path, root.get_submodule(path))
@@ -99,6 +103,35 @@ def _take_adapters(spec: UnitSpec) -> list[tuple[str, nn.Parameter]]:
     return trainable
 
 
+def _check_policy_matches(root: nn.Module, policy: UnitPolicy, chosen: list[nn.Module]) -> None:
+    """A ``unit_modules`` policy that selects no module would leave the model one root unit, with nothing
+    sharded between forward calls: fail, naming the entries and the classes that repeat. Entries that
+    match nothing beside others that do (a list written for several architectures) are warned of."""
+    if callable(policy) and not isinstance(policy, (list, tuple)):
+        unmatched = [getattr(policy, "__name__", repr(policy))] if not chosen else []
+    else:
+        unmatched = [entry for entry in policy if not any(_matches(m, entry) for m in root.modules())]
+    if unmatched and chosen:
+        warnings.warn(f"zero3: `unit_modules` entries {unmatched} match no module of {type(root).__name__}; "
+                      "the others chose the units.", stacklevel=3)  # fmt: skip
+    elif unmatched:
+        counts = Counter(type(m).__name__ for m in root.modules() if any(True for _ in m.parameters(recurse=False)) or
+                         any(True for _ in m.children()))  # fmt: skip
+        repeating = sorted(name for name, n in counts.items() if n >= 2)
+        raise Zero3ConfigError(
+            f"zero3: `unit_modules` entry {unmatched} matches no module of {type(root).__name__}, so the model would "
+            f"run as one unit with nothing sharded between forward calls. Classes that repeat in it: {repeating}; "
+            "name one of them (a class or its name), or leave `unit_modules=None` to pick repeated blocks."
+        )
+
+
+def _matches(module: nn.Module, entry: object) -> bool:
+    cls = type(module)
+    if isinstance(entry, type):
+        return isinstance(module, entry)
+    return entry in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+
+
 def _is_under(name: str, module_path: str) -> bool:
     return module_path == ROOT or name == module_path or name.startswith(module_path + ".")
 
@@ -109,12 +142,8 @@ def _policy_predicate(policy: UnitPolicy) -> Callable[[nn.Module, str, nn.Module
     if callable(policy) and not isinstance(policy, (list, tuple)):
         user: Callable[[nn.Module], bool] = policy  # type: ignore[assignment]
         return lambda module, path, root: bool(user(module))
-    classes = tuple(c for c in policy if isinstance(c, type))
-    names = {c for c in policy if isinstance(c, str)}
-
     def by_class(module: nn.Module, path: str, root: nn.Module) -> bool:
-        cls = type(module)
-        return isinstance(module, classes) or cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
+        return any(_matches(module, entry) for entry in policy)
 
     return by_class
 
