@@ -65,6 +65,12 @@ def _refuse(func: Any, args: tuple, kwargs: Any) -> None:
     name = getattr(func, "__name__", "")
     held = [a for a in _flat(args, kwargs) if isinstance(a, (ReleasedParameter, NotGathered))]
     label = ", ".join(sorted({_name_of(p) for p in held})) or "a sharded parameter"
+    if torch.compiler.is_compiling():  # torch.compile traced code that zero3's hooks did not run before
+        raise ParameterNotGatheredError(
+            f"zero3: torch.compile traced {label} while it is sharded and not gathered: the compiled code bypasses "
+            "the hooks that gather it (a compiled `module.forward` instead of the module). Compile the modules "
+            "themselves: `block.compile()` for each block (in `configure_model`), or `torch.compile(model)`."
+        )
     raise ParameterNotGatheredError(
         f"zero3: `{name or func}` touched {label}, which is sharded across ranks and not gathered right now. "
         "Full parameters exist only while their module runs forward or backward. To read or change them "
