@@ -31,16 +31,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.strategies import ParallelStrategy, _StrategyRegistry
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast, _apply_filter, _BackwardSyncControl, _Sharded, _Stateful
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl, _Sharded, _Stateful
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
@@ -49,12 +46,12 @@ from torch.optim import Optimizer
 from .checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from .checkpoint.files import save_file_atomically, torch_load_checked
 from .checkpoint.full import save_full_checkpoint
-from .config import SUPPORTED_PRECISION, Zero3Config, default_nvme_path
+from .config import Zero3Config, default_nvme_path
 from .engine import Zero3Engine, engine_of
 from .engine.materialize import move_real_tensors, parameters_on_meta
-from .errors import UnsupportedPrecisionError, Zero3ConfigError
+from .errors import Zero3ConfigError
 from .knobs import build_config
-from .precision_core import PrecisionCore
+from .precision_core import PrecisionCore, translate_precision
 from .pretrained import load_pretrained
 from .shared_setup import ProcessesMixin, new_engine
 
@@ -94,15 +91,7 @@ class Zero3FabricPrecision(PrecisionCore, Precision):
 
 def to_fabric_precision(plugin: Optional[Precision]) -> Optional[Zero3FabricPrecision]:
     """Translate the plugin Fabric picked from its ``precision=`` flag into ``Zero3FabricPrecision``."""
-    if plugin is None or isinstance(plugin, Zero3FabricPrecision):
-        return plugin
-    flag = getattr(plugin, "precision", None)
-    if type(plugin) in (Precision, MixedPrecision, HalfPrecision) and flag in SUPPORTED_PRECISION:
-        return Zero3FabricPrecision(flag)
-    raise UnsupportedPrecisionError(
-        f"zero3: `precision={flag or type(plugin).__name__!r}` ({type(plugin).__name__}) is not supported by the "
-        f"zero3 strategy; use one of {list(SUPPORTED_PRECISION)}."
-    )
+    return translate_precision(plugin, Zero3FabricPrecision, (Precision, MixedPrecision, HalfPrecision))
 
 
 class _NothingToSkip(_BackwardSyncControl):
@@ -138,32 +127,6 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
         self._init_processes()
 
     # -- what Fabric looks up on a distributed strategy ---------------------------------------------
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def engine(self) -> Optional[Zero3Engine]:
-        """The engine sharding the model, once ``setup`` has run."""
-        return self._engine
 
     @property
     def precision(self) -> Zero3FabricPrecision:
@@ -267,24 +230,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
     # -- collectives --------------------------------------------------------------------------------
 
     def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
+        return self._reduce_tensor(tensor, group, reduce_op)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 
 from .config import SUPPORTED_PRECISION
 from .errors import UnsupportedPrecisionError
-from .precision_core import PrecisionCore
+from .precision_core import PrecisionCore, translate_precision
 
 
 class Zero3Precision(PrecisionCore, Precision):
@@ -85,12 +85,4 @@ def check_device_supports(plugin: Zero3Precision, accelerator: Any) -> None:
 
 def to_zero3_precision(plugin: Optional[Precision]) -> Optional[Zero3Precision]:
     """Translate the plugin Lightning picked from the ``precision=`` flag into ``Zero3Precision``."""
-    if plugin is None or isinstance(plugin, Zero3Precision):
-        return plugin
-    flag = getattr(plugin, "precision", None)
-    if type(plugin) in (Precision, MixedPrecision, HalfPrecision) and flag in SUPPORTED_PRECISION:
-        return Zero3Precision(flag)
-    raise UnsupportedPrecisionError(
-        f"zero3: `precision={flag or type(plugin).__name__!r}` ({type(plugin).__name__}) is not supported by the "
-        f"zero3 strategy; use one of {list(SUPPORTED_PRECISION)}."
-    )
+    return translate_precision(plugin, Zero3Precision, (Precision, MixedPrecision, HalfPrecision))

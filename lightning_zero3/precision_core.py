@@ -91,3 +91,17 @@ class PrecisionCore:
 
 def _to_dtype_if_float(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
+
+
+def translate_precision(plugin: Any, target: type, accepted: tuple) -> Any:
+    """The zero3 plugin (``target``) for the plugin a framework picked from its ``precision=`` flag: one of its
+    plain ``accepted`` classes with a flag zero3 supports, else a clear error."""
+    if plugin is None or isinstance(plugin, target):
+        return plugin
+    flag = getattr(plugin, "precision", None)
+    if type(plugin) in accepted and flag in SUPPORTED_PRECISION:
+        return target(flag)
+    raise UnsupportedPrecisionError(
+        f"zero3: `precision={flag or type(plugin).__name__!r}` ({type(plugin).__name__}) is not supported by the "
+        f"zero3 strategy; use one of {list(SUPPORTED_PRECISION)}."
+    )

@@ -2,8 +2,9 @@
 starting this job's processes on torch.distributed, watching them, and building the engine.
 
 Each door keeps only what its framework asks for; ``ProcessesMixin`` expects the attributes both
-Lightning strategy bases have (``cluster_environment``, ``root_device``, ``node_rank``, ``local_rank``,
-``num_nodes``, ``num_processes``) and the door's own ``config`` and ``_engine``.
+Lightning strategy bases have (``cluster_environment``, ``parallel_devices``, ``node_rank``,
+``local_rank``, ``global_rank``) and the door's own ``config``, ``_engine`` and ``_num_nodes``, and
+answers what both frameworks look up on a distributed strategy.
 """
 
 from __future__ import annotations
@@ -11,11 +12,17 @@ from __future__ import annotations
 import inspect
 import itertools
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
@@ -47,6 +54,56 @@ class ProcessesMixin:
     @property
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
+
+    # -- what both frameworks look up on a distributed strategy ---------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def engine(self) -> Optional[Zero3Engine]:
+        """The engine sharding the model, once ``setup`` has run."""
+        return self._engine
+
+    # -- collectives for the framework (logging with sync_dist, early stopping, fabric.all_reduce) -------
+
+    def _reduce_tensor(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
 
     def _start_processes(self) -> None:
         """Join the job's process group (Lightning's launcher or torchrun / SLURM started the processes)."""
