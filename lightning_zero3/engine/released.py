@@ -71,12 +71,14 @@ def _refuse(func: Any, args: tuple, kwargs: Any) -> None:
             "the hooks that gather it (a compiled `module.forward` instead of the module). Compile the modules "
             "themselves: `block.compile()` for each block (in `configure_model`), or `torch.compile(model)`."
         )
+    hint = (" To load weights into a sharded model, call `lightning_zero3.load_pretrained(module, path)` on "
+            "every rank (each reads its shards)." if name in ("copy_", "load_state_dict") else "")  # fmt: skip
     raise ParameterNotGatheredError(
         f"zero3: `{name or func}` touched {label}, which is sharded across ranks and not gathered right now. "
         "Full parameters exist only while their module runs forward or backward. To read or change them "
         "elsewhere, wrap the code in `with lightning_zero3.gathered_parameters(module):` "
         "(pass `modifier_rank=0` to write changes back to the shards); to save full weights, call "
-        "`lightning_zero3.save_full_weights(module, path)` on every rank."
+        "`lightning_zero3.save_full_weights(module, path)` on every rank." + hint
     )
 
 
