@@ -40,10 +40,17 @@ def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+def _script_environment() -> dict[str, str]:
+    """This process's environment less a rendezvous address: a script's launcher picks its own free port (an
+    inherited ``MASTER_PORT`` may be one this process still listens on)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "PYTHONWARNINGS": "ignore"}
+
+
 def run_script(script: Path, *args: str, timeout: int = 600) -> None:
     """Run one of ``tests/scripts`` in a fresh interpreter (it launches its own ranks); fail with its output tail."""
     done = subprocess.run(
         [sys.executable, str(script), *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True, text=True, timeout=timeout, env=_script_environment(),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
