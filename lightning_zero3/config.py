@@ -79,6 +79,14 @@ class Zero3Config:
     """At start-up, time each way of doing the all-gather and the reduce-scatter at the sizes this model
     uses, on this job's process group, and use the fastest (see ``engine/comm.py``)."""
 
+    single_process_sharding: bool = False
+    """One process (world size 1) has nothing to shard. ``False``: unless parameters are offloaded, every
+    unit stays gathered for the whole run, with no all-gather, release or re-gather (as torch FSDP1
+    switches to no-shard); under ``32-true`` and the ``*-true`` flags the optimizer steps the very buffer the
+    model computes with (one copy of the weights), under ``*-mixed`` the compute-dtype copy is cast again
+    once per optimizer step. ``True``: one process gathers and releases each unit as several ranks do
+    (it saves that compute-dtype copy under ``*-mixed``, at a gather and a release per unit per pass)."""
+
     secondary_shard_size: Optional[Union[int, str]] = None
     """Node-local secondary shards (ZeRO++ hpZ): after a unit's forward, each rank keeps its share of the
     unit's parameters within its group of this many consecutive ranks, and backward re-gathers the unit
@@ -181,7 +189,7 @@ class Zero3Config:
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, minimum=1)
         _check_hierarchy(self)
-        for name in ("overlap_comm", "tune_collectives", "unshard_after_fit"):
+        for name in ("overlap_comm", "tune_collectives", "single_process_sharding", "unshard_after_fit"):
             if not isinstance(getattr(self, name), bool):
                 raise Zero3ConfigError(f"zero3: `{name}` must be True or False, got {getattr(self, name)!r}.")
         _check_unit_modules(self.unit_modules)

@@ -86,6 +86,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, ParallelStrategy):
         reduce_bucket_size: int = DEFAULTS.reduce_bucket_size,
         overlap_comm: bool = DEFAULTS.overlap_comm,
         tune_collectives: bool = DEFAULTS.tune_collectives,
+        single_process_sharding: bool = DEFAULTS.single_process_sharding,
         secondary_shard_size: Optional[Union[int, Literal["node"]]] = DEFAULTS.secondary_shard_size,
         quantize_gathers: Optional[Literal["int8"]] = DEFAULTS.quantize_gathers,
         cpu_threads: Optional[int] = DEFAULTS.cpu_threads,

@@ -25,7 +25,7 @@ from lightning_zero3.engine.watchdog import Watchdog
 def engine():
     torch.manual_seed(0)
     model = SkippingModel(layers=4)
-    return model, Zero3Engine(model, Zero3Config(persistence_threshold=0, reduce_bucket_size=1))
+    return model, Zero3Engine(model, Zero3Config(persistence_threshold=0, reduce_bucket_size=1, single_process_sharding=True))
 
 
 def _units(engine):

@@ -63,7 +63,10 @@ def test_zero3_matches_ddp(runs, devices, variant):
     for name, weight in ddp["weights"].items():
         torch.testing.assert_close(zero3["weights"][name], weight, rtol=0, atol=WEIGHT_ATOL, msg=name)
     report = zero3["memory"]["report"]
-    assert report["param_shards"] > 0 and report["gathered_params"] == 0
+    if devices > 1:
+        assert report["param_shards"] > 0 and report["gathered_params"] == 0
+    else:  # one process keeps its units gathered, its shards being the gathered buffers (shard.py)
+        assert report["param_shards"] == 0 and report["gathered_params"] > 0
 
 
 # Offload steps AdamW with torch's fused CPU kernel, which rounds differently from the per-tensor loop

@@ -121,6 +121,9 @@ class Zero3Engine:
             # before any group exists: the tuning buffers are not stacked on top of the shards
             self.comm.tune(_collective_sizes(self.plan, dtypes, self.comm.world_size), self.device)
         sync = self.config.sync_module_states
+        # [Note: one process keeps its units gathered] in shard.py
+        alone = self.comm.world_size == 1 and not self.config.single_process_sharding
+        stays = alone and self.config.offload_params is None
         self.offload = self._start_offload()
         self.root: Optional[UnitRuntime] = None  # the root unit, if it owns sharded parameters
         self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []  # every other unit, in module order
@@ -129,7 +132,7 @@ class Zero3Engine:
                 name = spec.path or "<root>"
                 group = FlatGroup(
                     name, spec.params, self.comm, self.ledger, self.pool, self.device, False, sync, dtypes,
-                    materializer=materializer, offload=self.offload, loaded=pending.params,
+                    materializer=materializer, offload=self.offload, loaded=pending.params, stays_gathered=stays,
                 )
                 runtime = UnitRuntime(name, group, self.comm)
                 runtime.maybe_release()  # before the next unit is built: one unit in full at a time
@@ -142,7 +145,7 @@ class Zero3Engine:
         if self.plan.persistent:
             group = FlatGroup(
                 "<persistent>", self.plan.persistent, self.comm, self.ledger, self.pool, self.device, True, sync,
-                dtypes, materializer=materializer, offload=self.offload, loaded=pending.params,
+                dtypes, materializer=materializer, offload=self.offload, loaded=pending.params, stays_gathered=stays,
             )
             self.persistent = UnitRuntime(group.name, group, self.comm)
         if materializer is not None:
@@ -187,7 +190,10 @@ class Zero3Engine:
     # -- one engine for the module's whole life -------------------------------------------------------
 
     #: settings that decide how the model is laid out in shards; a later Trainer must keep them
-    LAYOUT = ("unit_modules", "persistence_threshold", "offload_optimizer", "offload_params", "nvme_path")
+    LAYOUT = (
+        "unit_modules", "persistence_threshold", "single_process_sharding", "offload_optimizer", "offload_params",
+        "nvme_path",
+    )  # fmt: skip
 
     def reuse_problems(self, config: Zero3Config, dtypes: DtypePolicy, device: torch.device, world_size: int) -> list[str]:
         """What keeps this engine from serving a later run with these settings (empty: it can)."""
@@ -229,13 +235,14 @@ class Zero3Engine:
             self.secondary_size = size
             for runtime in self.runtimes:
                 group = runtime.group
-                if size and not group.persistent:
+                if size and not group.persistent and not group.stays_gathered:
                     index = self.comm.rank % size
                     group.secondary = SecondaryShard(
                         group.full.numel(), size, index, group.compute_dtype, self.device, self.ledger
                     )
         for runtime in self.runtimes:
-            runtime.group.quantized = config.quantize_gathers == "int8" and not runtime.group.persistent
+            group = runtime.group
+            group.quantized = config.quantize_gathers == "int8" and not group.persistent and not group.stays_gathered
 
     def _start_offload(self) -> Optional[Offload]:
         """The offload tiers, after checking (NVMe) that the swap folder has room for every shard."""
@@ -391,6 +398,8 @@ class Zero3Engine:
             for group in groups:
                 if write_back:
                     group.source.publish()
+                    if group.stays_gathered:  # one process: its full copy is refreshed here, no collective
+                        group.gather(force=True)
                 group.store.evict(write_grad=group.store.grad is not None)
             if groups and self.offload is not None:
                 self.offload.throttle(0)

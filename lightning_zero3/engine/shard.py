@@ -96,9 +96,11 @@ class FlatGroup:
         materializer: Optional["Materializer"] = None,
         offload: Optional["Offload"] = None,
         loaded: Collection[int] = (),
+        stays_gathered: bool = False,
     ) -> None:
         """``loaded``: ids of parameters whose values will be read from a checkpoint once every group is
-        built (see [Note: loading straight into shards] in sources.py)."""
+        built (see [Note: loading straight into shards] in sources.py). ``stays_gathered``: one process
+        with nothing to shard, see [Note: one process keeps its units gathered]."""
         if not named_params:
             raise ValueError(f"flat group {name!r} has no parameters")
         own_dtypes = {p.dtype for _, p in named_params}
@@ -112,6 +114,7 @@ class FlatGroup:
         self.ledger = ledger
         self.pool = pool  # staging buffers: coalesced gathers, compute-dtype sources, full-weight exports
         self.persistent = persistent
+        self.stays_gathered = stays_gathered
         self.dtype = own_dtypes.pop()  # the master dtype
         self.compute_dtype = dtypes.compute or self.dtype
         self.reduce_dtype = dtypes.reduce or self.dtype
@@ -119,9 +122,12 @@ class FlatGroup:
         total = sum(p.numel() for _, p in named_params)
         self.shard_numel = -(-total // world)  # ceil division
         self.numel = total
-        # small pages unless offload refills it from its tier at every gather: [Note: shards are in small pages]
-        self.shard = releasable_buffer(self.shard_numel, self.dtype, device, huge=offload is not None)
-        self.ledger.add(PARAM_SHARDS, self._nbytes(self.shard))
+        # one process, its master in the compute dtype: the shard is the full buffer (set below)
+        self.shard_is_full = stays_gathered and offload is None and self.compute_dtype == self.dtype
+        if not self.shard_is_full:
+            # small pages unless offload refills it from its tier at every gather: [Note: shards are in small pages]
+            self.shard = releasable_buffer(self.shard_numel, self.dtype, device, huge=offload is not None)
+            self.ledger.add(PARAM_SHARDS, self._nbytes(self.shard))
         self.trainable = any(p.requires_grad for _, p in named_params)
         # under offload the gradient shard lives with the master, in the store
         self.grad_shard = new_buffer(self.shard_numel, self.dtype, device) if self.trainable and not offload else None
@@ -148,7 +154,9 @@ class FlatGroup:
             if sync_from_rank0 and not from_checkpoint:
                 comm.broadcast(master, src=0)
             start = rank * self.shard_numel
-            if not from_checkpoint:
+            if self.shard_is_full:
+                self.shard = master
+            elif not from_checkpoint:
                 self.shard.copy_(master[start : start + self.shard_numel])
             if self.compute_dtype == self.dtype:
                 self.full = master
@@ -259,7 +267,7 @@ class FlatGroup:
         """Make the full parameters valid (waiting for a prefetch in flight). ``force`` re-gathers even
         when gathered (the shards changed)."""
         if self.pending is None:
-            if self.gathered and not force:
+            if self.gathered and (not force or self.shard_is_full):  # the shard is what the model computes with
                 return
             self.start_gather(force)
         self.pending.issue()  # a gather agreed on ahead is issued now (see [Note: checks run a unit ahead])
@@ -340,8 +348,19 @@ class FlatGroup:
                 source.read(start, self.master[slot.lo : slot.hi])
 
     def release(self) -> None:
-        """Free the full parameters (persistent groups are never released)."""
-        if self.persistent:
+        """Free the full parameters (persistent groups, and those of a process alone, are never released).
+
+        [Note: one process keeps its units gathered]
+        With one rank the "shard" is the whole flat group, so releasing a unit after its forward and
+        gathering it again for its backward only copies the shard into a buffer of the same size and faults
+        that buffer's pages in again, twice a step per unit. Unless ``single_process_sharding`` asks for it
+        (or parameters are offloaded: they are read from their tier per use), such a group is built
+        ``stays_gathered``: never released, and in the master dtype the shard *is* the full buffer, so the
+        optimizer steps the very tensor the model computes with, and the re-gather after a step (of groups
+        gathered at that moment) finds the output to be its input and copies nothing. In a lower compute
+        dtype the full copy stays too and is cast from the master once per step. Hooks, gradients and the
+        optimizer run as with several ranks, so nothing else tells one process apart."""
+        if self.persistent or self.stays_gathered:
             return
         if self.pending is not None:
             self.gather()  # a buffer may not be freed under a collective still writing into it
@@ -390,7 +409,7 @@ class FlatGroup:
         if self.gathered:
             release(self.full)
             self.ledger.remove(self._full_category, self._nbytes(self.full))
-        if self.source is None or self.source.filled:
+        if (self.source is None or self.source.filled) and not self.shard_is_full:
             self.ledger.remove(PARAM_SHARDS, self._nbytes(self.shard))
         if self.grad_shard is not None:
             self.ledger.remove(GRAD_SHARDS, self._nbytes(self.grad_shard))

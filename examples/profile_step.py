@@ -1,0 +1,191 @@
+"""Where zero3's host time goes in a training step, per unit: a table from Python's own profiler.
+
+    python examples/profile_step.py                    # the benchmark GPT (8 x 448), 2 CPU ranks
+    python examples/profile_step.py --n-layer 32 --n-embd 64 --n-head 4   # tiny layers: the step is overhead
+    python examples/profile_step.py --devices 1        # one process (see "One process" in the README)
+    python examples/profile_step.py --zero3 prefetch_bucket_size=0 --steps 12   # the benchmark's options
+
+Each rank trains the GPT of ``examples/benchmark.py`` (its options and defaults) through a Lightning ``Trainer`` and runs ``cProfile``
+over the steps after the warm-up. Every function's own time is charged to a part of zero3 by the file it
+is written in (a C function, such as a tensor copy or a collective's wait, to the file that called it), so
+the table says what each part costs per step and per unit, and how many Python calls it makes per unit:
+
+- hooks: ``hooks.py``, ``runtime.py``, ``schedule.py`` (the module hooks, unit state, the recorded order);
+- agreement: ``agreement.py`` (ranks agree on each gather before it is issued);
+- gather / release: ``shard.py``, ``gather.py``, ``released.py`` (issuing gathers, marking parameters);
+- buffers & ledger: ``memory.py``, ``parking.py``, ``libc.py`` (buffers, the byte ledger, parked pages);
+- reductions: ``grads.py``, ``gradients.py`` (packing gradients, reduce-scatters, the shared order);
+- collectives: ``comm.py``, less its waits (issuing, timing, bookkeeping);
+- waiting: time spent in the waits of collectives (communication the compute did not hide);
+- optimizer: ``optim.py``, ``state.py`` and the rest of ``lightning_zero3``;
+- not zero3: the model, autograd, the optimizer's own math, Lightning.
+
+The profiler adds a cost per Python call, so a part's milliseconds are inflated by about its call
+count times that cost (printed below the table); the call counts themselves are exact. The figures are
+the mean of the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+PARTS = {
+    "hooks": ("hooks.py", "runtime.py", "schedule.py"),
+    "agreement": ("agreement.py",),
+    "gather / release": ("shard.py", "gather.py", "released.py"),
+    "buffers & ledger": ("memory.py", "parking.py", "libc.py"),
+    "reductions": ("grads.py", "gradients.py"),
+    "collectives": ("comm.py",),
+}
+ORDER = [*PARTS, "waiting", "optimizer", "not zero3"]
+
+
+def part_of(filename: str, function: str, caller_part: str | None = None) -> str:
+    """The part a function's own time is charged to (a C function's: its caller's part)."""
+    if filename == "~":  # a C function: where it was called from decides, waits on collectives apart
+        if caller_part is not None and caller_part != "not zero3" and "wait" in function:
+            return "waiting"
+        return caller_part or "not zero3"
+    if "lightning_zero3" not in filename:
+        return "not zero3"
+    name = Path(filename).name
+    return next((part for part, files in PARTS.items() if name in files), "optimizer")
+
+
+def charge(stats: pstats.Stats) -> dict[str, dict[str, float]]:
+    """Own seconds and Python calls of each part (a C function's time split over its callers)."""
+    parts = {part: {"seconds": 0.0, "calls": 0} for part in ORDER}
+    for (filename, _, function), (_, calls, own, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if filename != "~":
+            part = part_of(filename, function)
+            parts[part]["seconds"] += own
+            if part != "not zero3":
+                parts[part]["calls"] += calls
+            continue
+        for (caller_file, _, caller_function), edge in callers.items():
+            parts[part_of("~", function, part_of(caller_file, caller_function))]["seconds"] += edge[2]
+    return parts
+
+
+def profiled_seconds_per_call() -> float:
+    """What the profiler adds to one Python call on this machine (an empty function, profiled and not)."""
+
+    def empty() -> None:
+        pass
+
+    n = 200_000
+    start = time.perf_counter()
+    for _ in range(n):
+        empty()
+    bare = time.perf_counter() - start
+    profiler = cProfile.Profile()
+    profiler.enable()
+    start = time.perf_counter()
+    for _ in range(n):
+        empty()
+    profiled = time.perf_counter() - start
+    profiler.disable()
+    return max(profiled - bare, 0.0) / n
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    import lightning_zero3
+    from benchmark import dataset, model_config, zero3_knobs
+    from gpt import GPTModule
+
+    class Profiled(pl.Callback):
+        def __init__(self) -> None:
+            self.profiler = cProfile.Profile()
+            self.step_times: list[float] = []
+            self._start = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == args.warmup:
+                self.profiler.enable()
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx >= args.warmup:
+                self.step_times.append(time.perf_counter() - self._start)
+
+        def on_train_end(self, trainer, pl_module):
+            self.profiler.disable()
+
+    pl.seed_everything(0)
+    probe = Profiled()
+    strategy = lightning_zero3.Zero3Strategy(**zero3_knobs(args.zero3))
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[probe])  # fmt: skip
+    trainer.fit(GPTModule(model_config(args)), DataLoader(dataset(args), batch_size=args.batch_size))
+    steps = len(probe.step_times)
+    parts = charge(pstats.Stats(probe.profiler))
+    mine = [parts[p]["seconds"] / steps for p in ORDER] + [parts[p]["calls"] / steps for p in ORDER]
+    mine.append(sum(probe.step_times) / steps)
+    figures = trainer.strategy.reduce(torch.tensor(mine, dtype=torch.float64), reduce_op="mean")
+    if trainer.is_global_zero:
+        n = len(ORDER)
+        result = {
+            "units": len(trainer.strategy.engine.runtimes),
+            "step_seconds": figures[-1].item(),
+            "seconds": dict(zip(ORDER, figures[:n].tolist())),
+            "calls": dict(zip(ORDER, figures[n : 2 * n].tolist())),
+            "profiler_seconds_per_call": profiled_seconds_per_call(),
+        }
+        Path(args.result).write_text(json.dumps(result))
+
+
+def table(result: dict) -> str:
+    units, step = result["units"], result["step_seconds"]
+    rows = ["part             | ms/step | ms/unit/step | share of step | Python calls/unit/step",
+            "-----------------+---------+--------------+---------------+-----------------------"]  # fmt: skip
+    for part in ORDER:
+        seconds, calls = result["seconds"][part], result["calls"][part]
+        per_unit = f"{1e3 * seconds / units:12.3f}" if part != "not zero3" else f"{'':12}"
+        call_text = f"{calls / units:.0f}" if part not in ("not zero3", "waiting") else ""
+        rows.append(f"{part:16} | {1e3 * seconds:7.1f} | {per_unit} | {seconds / step:13.1%} | {call_text}")
+    zero3 = sum(result["seconds"][p] for p in ORDER if p not in ("not zero3", "waiting"))
+    calls = sum(result["calls"][p] for p in ORDER)
+    inflation = calls * result["profiler_seconds_per_call"]
+    rows.append(
+        f"\n{units} units; step {1e3 * step:.1f} ms under the profiler; zero3's own host work {1e3 * zero3:.1f} ms "
+        f"({zero3 / step:.1%}), {calls:.0f} Python calls per step, of which the profiler's own cost is about "
+        f"{1e3 * inflation:.1f} ms ({1e6 * result['profiler_seconds_per_call']:.2f} us per call)"
+    )
+    return "\n".join(rows)
+
+
+def main(argv=None) -> dict:
+    import subprocess
+    import tempfile
+
+    from benchmark import parse_args  # the benchmark's options and defaults: model shape, batch, steps, --zero3
+
+    args = parse_args(argv)
+    if args.result is not None:  # a rank (Lightning's launcher starts the others from the same command)
+        worker(args)
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--result", str(result)]
+        subprocess.run(command, check=True, env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+        figures = json.loads(result.read_text())
+    print(table(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()

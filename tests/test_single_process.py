@@ -1,0 +1,146 @@
+"""One process (world size 1): nothing to shard, so every unit stays gathered for the whole run (no gather,
+release or re-gather), the optimizer steps the buffer the model computes with, and training reproduces
+the model trained without zero3 (see [Note: one process keeps its units gathered] in shard.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from gpt import GPT, GPTConfig, GPTModule, random_tokens
+from torch.utils.data import DataLoader
+
+from lightning_zero3 import Zero3Config, Zero3Engine, Zero3Strategy
+from lightning_zero3.engine.shard import DtypePolicy
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+STEPS = 4
+
+
+def _train(model: torch.nn.Module, engine: Zero3Engine | None = None) -> tuple[list[float], torch.optim.Optimizer]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if engine is not None:
+        engine.shard_optimizer(optimizer)
+    x, y = random_tokens(8 * STEPS, CFG.block_size, CFG.vocab_size).tensors
+    losses = []
+    for step in range(STEPS):
+        loss = model.loss(x[8 * step : 8 * step + 8], y[8 * step : 8 * step + 8])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, optimizer
+
+
+@pytest.fixture(scope="module")
+def runs():
+    torch.manual_seed(0)
+    plain = GPT(CFG)
+    out = {"initial": copy.deepcopy(plain.state_dict())}
+    out["plain"] = _train(plain)[0], plain
+    for name, settings, dtypes in (
+        ("alone", {}, DtypePolicy()),
+        ("sharded", {"single_process_sharding": True}, DtypePolicy()),
+        ("alone-bf16", {}, DtypePolicy(compute=torch.bfloat16)),
+        ("sharded-bf16", {"single_process_sharding": True}, DtypePolicy(compute=torch.bfloat16)),
+        ("alone-offload", {"offload_optimizer": "cpu"}, DtypePolicy()),
+    ):
+        model = GPT(CFG)
+        model.load_state_dict(out["initial"])
+        engine = Zero3Engine(model, Zero3Config(persistence_threshold=100, tune_collectives=False, **settings),
+                             dtypes=dtypes)  # fmt: skip
+        losses, optimizer = _train(model, engine)
+        out[name] = {"losses": losses, "engine": engine, "model": model, "optimizer": optimizer}
+    return out
+
+
+def test_one_process_keeps_every_unit_gathered_and_gathers_nothing(runs):
+    engine = runs["alone"]["engine"]
+    assert len(engine.runtimes) == CFG.n_layer + 2  # the root, the blocks, the persistent group
+    for runtime in engine.runtimes:
+        group = runtime.group
+        assert group.gathered and group.stays_gathered
+        assert group.gathers == 0  # not one copy in four steps: the shard is the full buffer
+        assert group.shard.data_ptr() == group.full.data_ptr()
+    report = engine.memory_report()
+    assert report["param_shards"] == report["peak_param_shards"] == 0  # no second copy of the weights
+    assert report["gathered_params"] + report["persistent_params"] == 4 * sum(p.numel() for p in GPT(CFG).parameters())
+    # gathered at any time: the weights are readable outside forward, as the trained values
+    model = runs["alone"]["model"]
+    torch.testing.assert_close(model.head.weight, runs["plain"][1].head.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_units_are_released_as_with_several_ranks_when_sharding_is_asked_for(runs):
+    engine = runs["sharded"]["engine"]
+    units = [rt.group for rt in engine.runtimes if not rt.group.persistent]
+    assert not any(g.gathered or g.stays_gathered for g in units)  # released after the last backward
+    *blocks, last = units[1:]
+    assert all(g.gathers == 2 * STEPS for g in blocks)  # forward and backward, every step
+    # the last block's backward comes right after its forward: kept for it once the order is recorded
+    assert last.gathers == STEPS + 1
+
+
+def test_one_process_trains_as_the_plain_model(runs):
+    plain, _ = runs["plain"]
+    assert runs["alone"]["losses"] == pytest.approx(plain, rel=1e-6, abs=0)
+    assert runs["alone"]["losses"] == runs["sharded"]["losses"]  # both ways compute the same thing
+    assert runs["alone-offload"]["losses"] == pytest.approx(plain, rel=1e-6, abs=0)
+    c = CFG.n_embd
+    for name in ("alone", "alone-offload"):
+        for (key, mine), theirs in zip(runs[name]["model"].state_dict().items(), runs["plain"][1].state_dict().values()):
+            if key.endswith("attn.bias"):
+                # the key's bias gets a gradient of rounding noise only (softmax ignores a shift of every
+                # score), which Adam scales up to steps of lr: the host optimizer's kernel (offload) rounds
+                # that noise differently. Its query and value parts must match.
+                mine, theirs = torch.cat([mine[:c], mine[2 * c :]]), torch.cat([theirs[:c], theirs[2 * c :]])
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_a_lower_compute_dtype_is_cast_once_per_step_and_trains_as_sharding_does(runs):
+    alone, sharded = runs["alone-bf16"], runs["sharded-bf16"]
+    assert alone["losses"] == sharded["losses"]  # the same bf16 copies of the same fp32 masters
+    for runtime in alone["engine"].runtimes:
+        group = runtime.group
+        assert group.gathered and group.full.dtype == torch.bfloat16 and group.shard.dtype == torch.float32
+        assert group.gathers == STEPS  # cast from the master after each step, never per forward or backward
+
+
+def test_optimizer_state_stays_where_the_offload_settings_put_it(runs):
+    run = runs["alone-offload"]
+    groups = [rt.group for rt in run["engine"].runtimes]
+    assert all(g.stays_gathered and g.store is not None for g in groups)
+    for group in groups:  # the optimizer steps the host tier's master; the model computes with its own copy
+        assert group.master is group.store.master and group.master.data_ptr() != group.full.data_ptr()
+    assert run["engine"].memory_report()["offload_host"] > 0
+    # parameters offloaded: read from their tier per use, so units are released as with several ranks
+    engine = Zero3Engine(GPT(CFG), Zero3Config(offload_optimizer="cpu", offload_params="cpu", tune_collectives=False))
+    assert not any(rt.group.stays_gathered for rt in engine.runtimes)
+
+
+class _Recorded(GPTModule):
+    def __init__(self) -> None:
+        super().__init__(CFG)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+
+def _fit(strategy) -> list[float]:
+    pl.seed_everything(0)
+    module = _Recorded()
+    # a distributed strategy's Trainer shuffles the training data (its DistributedSampler); the same batches here
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                         use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, DataLoader(random_tokens(8 * STEPS, CFG.block_size, CFG.vocab_size), batch_size=8))
+    return module.losses
+
+
+def test_a_one_device_trainer_trains_as_lightnings_own_single_device_strategy():
+    zero3 = _fit(Zero3Strategy(persistence_threshold=100, tune_collectives=False))
+    assert zero3 == pytest.approx(_fit("auto"), rel=1e-6, abs=0)
