@@ -318,7 +318,12 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
             engine = getattr(trainer.strategy, "engine", None)
             if engine is not None:
                 r = engine.memory_report()
-                self.model_state = r["param_shards"] + r["persistent_params"] + r["grad_shards"] + r["optimizer_state"]
+                # one process: the weights are the gathered buffers themselves (no separate shard)
+                alone = sum(rt.group.full.numel() * rt.group.full.element_size() for rt in engine.runtimes
+                            if rt.group.shard_is_full and not rt.group.persistent)  # fmt: skip
+                self.model_state = (
+                    r["param_shards"] + r["persistent_params"] + r["grad_shards"] + r["optimizer_state"] + alone
+                )
             else:
                 params = list(pl_module.parameters())
                 self.model_state = tensor_bytes(params) + tensor_bytes(p.grad for p in params) + state_bytes(optimizer)

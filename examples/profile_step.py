@@ -4,6 +4,7 @@
     python examples/profile_step.py --n-layer 32 --n-embd 64 --n-head 4   # tiny layers: the step is overhead
     python examples/profile_step.py --devices 1        # one process (see "One process" in the README)
     python examples/profile_step.py --zero3 prefetch_bucket_size=0 --steps 12   # the benchmark's options
+    python examples/profile_step.py --top=15           # and the 15 functions that cost zero3 most
 
 Each rank trains the GPT of ``examples/benchmark.py`` (its options and defaults) through a Lightning ``Trainer`` and runs ``cProfile``
 over the steps after the warm-up. Every function's own time is charged to a part of zero3 by the file it
@@ -61,19 +62,27 @@ def part_of(filename: str, function: str, caller_part: str | None = None) -> str
     return next((part for part, files in PARTS.items() if name in files), "optimizer")
 
 
-def charge(stats: pstats.Stats) -> dict[str, dict[str, float]]:
-    """Own seconds and Python calls of each part (a C function's time split over its callers)."""
+def charge(stats: pstats.Stats) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Own seconds and Python calls of each part (a C function's time split over its callers), and the own
+    seconds of each of zero3's functions (a C function by the zero3 function that called it)."""
     parts = {part: {"seconds": 0.0, "calls": 0} for part in ORDER}
+    functions: dict[str, float] = {}
     for (filename, _, function), (_, calls, own, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
         if filename != "~":
             part = part_of(filename, function)
             parts[part]["seconds"] += own
             if part != "not zero3":
                 parts[part]["calls"] += calls
+                name = f"{Path(filename).name}:{function}"
+                functions[name] = functions.get(name, 0.0) + own
             continue
         for (caller_file, _, caller_function), edge in callers.items():
-            parts[part_of("~", function, part_of(caller_file, caller_function))]["seconds"] += edge[2]
-    return parts
+            part = part_of("~", function, part_of(caller_file, caller_function))
+            parts[part]["seconds"] += edge[2]
+            if part != "not zero3":
+                name = f"{function.strip('<>')} in {Path(caller_file).name}:{caller_function}"
+                functions[name] = functions.get(name, 0.0) + edge[2]
+    return parts, functions
 
 
 def profiled_seconds_per_call() -> float:
@@ -132,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
                          enable_model_summary=False, callbacks=[probe])  # fmt: skip
     trainer.fit(GPTModule(model_config(args)), DataLoader(dataset(args), batch_size=args.batch_size))
     steps = len(probe.step_times)
-    parts = charge(pstats.Stats(probe.profiler))
+    parts, functions = charge(pstats.Stats(probe.profiler))
     mine = [parts[p]["seconds"] / steps for p in ORDER] + [parts[p]["calls"] / steps for p in ORDER]
     mine.append(sum(probe.step_times) / steps)
     figures = trainer.strategy.reduce(torch.tensor(mine, dtype=torch.float64), reduce_op="mean")
@@ -144,6 +153,8 @@ def worker(args: argparse.Namespace) -> None:
             "seconds": dict(zip(ORDER, figures[:n].tolist())),
             "calls": dict(zip(ORDER, figures[n : 2 * n].tolist())),
             "profiler_seconds_per_call": profiled_seconds_per_call(),
+            # rank 0's own: the functions that cost zero3 most, ms per step
+            "top": sorted(((1e3 * t / steps, f) for f, t in functions.items()), reverse=True)[: args.top],
         }
         Path(args.result).write_text(json.dumps(result))
 
@@ -165,6 +176,9 @@ def table(result: dict) -> str:
         f"({zero3 / step:.1%}), {calls:.0f} Python calls per step, of which the profiler's own cost is about "
         f"{1e3 * inflation:.1f} ms ({1e6 * result['profiler_seconds_per_call']:.2f} us per call)"
     )
+    if result["top"]:
+        rows.append("\nzero3's costliest functions on rank 0 (own time, ms per step; C functions by their caller):")
+        rows.extend(f"{ms:8.2f}  {name}" for ms, name in result["top"])
     return "\n".join(rows)
 
 
@@ -174,13 +188,16 @@ def main(argv=None) -> dict:
 
     from benchmark import parse_args  # the benchmark's options and defaults: model shape, batch, steps, --zero3
 
-    args = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--top=")), 0)
+    args = parse_args([a for a in argv if not a.startswith("--top=")])
+    args.top = top
     if args.result is not None:  # a rank (Lightning's launcher starts the others from the same command)
         worker(args)
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--result", str(result)]
+        command = [sys.executable, __file__, *argv, "--result", str(result)]
         subprocess.run(command, check=True, env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
         figures = json.loads(result.read_text())
     print(table(figures))

@@ -76,42 +76,79 @@ class Packed(NamedTuple):
 
 
 def _new_buffer(pool: BufferPool, world: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Where every packed gradient buffer comes from: the engine's staging pool (zeroed), given back once the
-    reduce-scatter that reads it has completed (see [Note: reused staging buffers] in memory.py)."""
-    return pool.take(world * width, dtype, device, zero=True).view(world, width)
+    """Where every packed gradient buffer comes from: the engine's staging pool, given back once the
+    reduce-scatter that reads it has completed (see [Note: reused staging buffers] in memory.py). Not
+    zeroed: its users write every element (see [Note: packing writes every element once])."""
+    return pool.take(world * width, dtype, device).view(world, width)
 
 
 def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True) -> Optional[Packed]:
     """The group's full gradients packed for ``reduce_packed``, divided by the world size; the parameters'
-    own ``.grad`` are freed. None when the group has nothing trainable."""
+    own ``.grad`` are freed. None when the group has nothing trainable.
+
+    [Note: packing writes every element once]
+    The packed buffer is as large as the unit, and the step's host work is mostly passes over such
+    buffers (``examples/profile_step.py``: zeroing staging buffers was zero3's costliest own work). So it
+    is not zeroed first and divided after: each gradient is divided by the world size as it is copied in
+    (``torch.div`` with ``out=``, the same rounding as a copy and a division), and only what no gradient
+    covers is zeroed: frozen parameters, parameters without a gradient, the padding, the flag columns."""
     if not group.trainable:
         return None
     world, width = comm.world_size, group.shard_numel
     slots = group.trainable_slots
     buffer = _new_buffer(group.pool, world, width + len(slots), group.reduce_dtype, group.shard.device)
     grads = buffer[:, :width]
-    used = []
+    flags = buffer[:, width:]
+    flags.zero_()
+    used, written = [], set()
     for index, slot in enumerate(slots):
         grad = slot.param.grad
         had = group.had_gradient(slot)
         used.append(had)
         if had and grad is not None:
-            _copy_rows(grads, slot.offset, grad.detach().reshape(-1))
-            buffer[:, width + index] = 1
+            _copy_rows(grads, slot.offset, grad.detach().reshape(-1), world)
+            written.add(id(slot))
+            flags[:, index] = 1
+    for slot in group.slots:
+        if id(slot) not in written:
+            _zero_rows(grads, slot.offset, slot.numel)
+    _zero_rows(grads, group.numel, world * width - group.numel)  # the padding
     group.gradients_packed()
-    if world > 1:
-        grads.div_(world)
     return Packed(group, buffer, used, ends_alike)
 
 
-def _copy_rows(rows: torch.Tensor, offset: int, flat: torch.Tensor) -> None:
-    """Write ``flat`` at ``offset`` of the padded full layout, which ``rows`` (world, S) holds row by row."""
-    width, done = rows.shape[1], 0
-    while done < flat.numel():
+def _row_pieces(rows: torch.Tensor, offset: int, numel: int) -> list:
+    """``(row view, start in the flat range, count)`` for the ``numel`` elements at ``offset`` of the padded
+    full layout, which ``rows`` (world, S) holds row by row."""
+    width = rows.shape[1]
+    row, col = divmod(offset, width)
+    if col + numel <= width:  # within one row: most parameters
+        return [(rows[row, col : col + numel], 0, numel)] if numel else []
+    pieces, done = [], 0
+    while done < numel:
         row, col = divmod(offset + done, width)
-        n = min(width - col, flat.numel() - done)
-        rows[row, col : col + n].copy_(flat[done : done + n])
+        n = min(width - col, numel - done)
+        pieces.append((rows[row, col : col + n], done, n))
         done += n
+    return pieces
+
+
+def _copy_rows(rows: torch.Tensor, offset: int, flat: torch.Tensor, divisor: int = 1) -> None:
+    """Write ``flat / divisor`` at ``offset`` of the padded full layout (divided in the rows' dtype)."""
+    for piece, start, n in _row_pieces(rows, offset, flat.numel()):
+        source = flat[start : start + n]
+        if divisor == 1:
+            piece.copy_(source)
+        elif source.dtype == piece.dtype:
+            torch.div(source, divisor, out=piece)
+        else:  # converted first, then divided in the reduce dtype, as a copy and a division would
+            piece.copy_(source)
+            piece.div_(divisor)
+
+
+def _zero_rows(rows: torch.Tensor, offset: int, numel: int) -> None:
+    for piece, _, _ in _row_pieces(rows, offset, numel):
+        piece.zero_()
 
 
 def reduce_packed(packed: list[Packed], comm: Communicator, async_op: bool = False) -> Optional["_Accumulation"]:
