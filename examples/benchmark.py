@@ -5,6 +5,7 @@
     python examples/benchmark.py --n-layer 2 --n-embd 64 --steps 6 --runs 1   # a quick look
     python examples/benchmark.py --accelerator cuda --devices 1 --precision bf16-mixed --strategies zero3,ddp,fsdp2
     python examples/benchmark.py --nodes 2             # 2 simulated nodes x 2 ranks: bytes crossing nodes
+    python examples/benchmark.py --compile --strategies zero3,ddp,fsdp2   # every block torch.compile'd in place
 
 With ``--nodes N`` every run is N torchrun agents on this host meeting at a c10d rendezvous, each starting
 ``--devices`` ranks (``examples/nodes.py``), the Trainer gets ``num_nodes=N``, and the table adds the bytes
@@ -58,7 +59,7 @@ ZERO3_VARIANTS = {
 }
 # what a worker needs to know of the parent's arguments
 WORKER_ARGS = ("steps", "warmup", "devices", "nodes", "batch_size", "block_size", "n_layer", "n_embd", "n_head",
-               "vocab_size", "zero3", "accelerator", "precision")  # fmt: skip
+               "vocab_size", "zero3", "accelerator", "precision", "compile")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=448)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--compile", action="store_true",
+                   help="compile every block in place (torch.compile, in configure_model, before the strategy "
+                        "shards or wraps the model); zero3, ddp and fsdp2 only")
     p.add_argument("--zero3", default="", metavar="KNOB=VALUE,...",
                    help="zero3 settings for this run, e.g. overlap_comm=False,prefetch_bucket_size=0")
     p.add_argument("--json", type=Path, default=Path("benchmark.json"))
@@ -123,7 +127,10 @@ def launch(strategy: str, args: argparse.Namespace) -> dict | str:
         return "skipped: the deepspeed package is not installed (pip install deepspeed)"
     if strategy == "deepspeed" and args.nodes > 1:
         return "skipped: not run across simulated nodes (its launcher is not Lightning's)"
-    forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in WORKER_ARGS]
+    if args.compile and strategy in ("deepspeed", "zero3_fabric"):
+        return "skipped: --compile compiles the Lightning Trainer's rows only"
+    forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in WORKER_ARGS if name != "compile"]
+    forwarded += ["--compile"] if args.compile else []
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         worker = [str(HERE / "benchmark.py"), *forwarded, "--worker", strategy, "--result", str(result)]
@@ -213,7 +220,8 @@ def table(summary: dict, args) -> str:
     ranks = f"{args.nodes} nodes x {args.devices}" if several else f"{args.devices}"
     out.append(
         f"\nGPT {cfg['n_layer']} layers x {cfg['n_embd']} wide, {ranks} {args.accelerator.upper()} ranks, "
-        f"batch {cfg['batch_size']} x {cfg['block_size']} tokens per rank, {args.precision} AdamW; "
+        f"batch {cfg['batch_size']} x {cfg['block_size']} tokens per rank, {args.precision} AdamW"
+        f"{', every block compiled' if cfg.get('compile') else ''}; "
         f"median over {cfg['runs']} runs of "
         f"{cfg['steps'] - cfg['warmup']} timed steps."
     )
@@ -281,6 +289,9 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
 
     class BenchGPT(GPTModule):
         def configure_model(self):
+            if args.compile:  # in place, before any strategy shards or wraps: each block keeps its hooks
+                for block in self.model.blocks:
+                    block.compile()
             if isinstance(self.trainer.strategy, ModelParallelStrategy):  # FSDP2: one unit per block
                 from torch.distributed.device_mesh import init_device_mesh
 

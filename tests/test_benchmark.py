@@ -72,3 +72,20 @@ def test_load_benchmark_quick_mode_loads_alike_and_reads_the_checkpoint_once(tmp
     zero3 = rows["zero3"][0]["ranks"]
     assert sum(r["read_bytes"] for r in zero3) <= 1.4 * checkpoint
     assert "x bound" in done.stdout and "zero3" in done.stdout
+
+
+def test_benchmark_compiles_every_block_of_the_lightning_rows(tmp_path):
+    """``--compile``: zero3, DDP and FSDP2 train the same model with each block compiled in place (their losses
+    agree), the table says so, and the rows that are not Lightning Trainer's say why they are left out."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--compile", "--strategies",
+           "zero3,ddp,fsdp2,zero3_fabric", "--runs", "1", "--steps", "4", "--warmup", "2", "--n-layer", "2",
+           "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["config"]["compile"] is True and "every block compiled" in done.stdout
+    assert {"zero3", "ddp", "fsdp2"} == summary["rows"].keys()
+    assert "Lightning Trainer's rows only" in summary["skipped"]["zero3_fabric"]
+    for name, row in summary["rows"].items():
+        assert row["loss_max_rel_diff_vs_ddp"] <= 1e-4, name

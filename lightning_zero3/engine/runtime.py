@@ -45,6 +45,7 @@ class UnitRuntime:
         self.backward_over = False
         self.reduced = False
         self.grads_ready = 0  # trainable parameters whose gradient arrived
+        self.grads_expected: int | None = None  # trainable parameters, counted once per backward pass
         self.awaiting = weakref.WeakSet()  # PostBackwardTokens of forward calls whose backward is not over
         self.signals = 0  # PostBackwardTokens made since the last backward ended
 
@@ -70,7 +71,9 @@ class UnitRuntime:
         return self.signals > 0
 
     def all_grads_in(self) -> bool:
-        return self.grads_ready >= len(self.group.trainable_slots)
+        if self.grads_expected is None:  # asked at every gradient's arrival: counted once per pass
+            self.grads_expected = len(self.group.trainable_slots)
+        return self.grads_ready >= self.grads_expected
 
     def end_backward(self) -> bool:
         """Mark its backward over (its secondary shard, if any, goes); False if it already was."""
@@ -84,3 +87,4 @@ class UnitRuntime:
     def reset_backward(self) -> None:
         self.backward_hold = self.backward_started = self.backward_over = self.reduced = False
         self.grads_ready = self.signals = 0
+        self.grads_expected = None
