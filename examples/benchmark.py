@@ -331,7 +331,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
                 r = engine.memory_report()
                 # one process: the weights are the gathered buffers themselves (no separate shard)
                 alone = sum(rt.group.full.numel() * rt.group.full.element_size() for rt in engine.runtimes
-                            if rt.group.shard_is_full and not rt.group.persistent)  # fmt: skip
+                            if rt.group.master_is_full and not rt.group.persistent)  # fmt: skip
                 self.model_state = (
                     r["param_shards"] + r["persistent_params"] + r["grad_shards"] + r["optimizer_state"] + alone
                 )

@@ -31,8 +31,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,7 +106,7 @@ def profiled_seconds_per_call() -> float:
         empty()
     profiled = time.perf_counter() - start
     profiler.disable()
-    return max(profiled - bare, 0.0) / n
+    return (profiled - bare) / n
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -121,17 +124,17 @@ def worker(args: argparse.Namespace) -> None:
             self.step_times: list[float] = []
             self._start = 0.0
 
+        # the profiler covers exactly the timed steps (it adds up over enable / disable), so its parts
+        # are shares of those steps' time, not of the loop's work between them
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == args.warmup:
+            if batch_idx >= args.warmup:
+                self._start = time.perf_counter()
                 self.profiler.enable()
-            self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx >= args.warmup:
+                self.profiler.disable()
                 self.step_times.append(time.perf_counter() - self._start)
-
-        def on_train_end(self, trainer, pl_module):
-            self.profiler.disable()
 
     pl.seed_everything(0)
     probe = Profiled()
@@ -183,22 +186,21 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    import subprocess
-    import tempfile
-
     from benchmark import parse_args  # the benchmark's options and defaults: model shape, batch, steps, --zero3
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--top=")), 0)
-    args = parse_args([a for a in argv if not a.startswith("--top=")])
-    args.top = top
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--top", type=int, default=0, help="also list the N functions that cost zero3 most")
+    mine, rest = own.parse_known_args(argv)
+    args = parse_args(rest)
+    args.top = mine.top
     if args.result is not None:  # a rank (Lightning's launcher starts the others from the same command)
         worker(args)
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         command = [sys.executable, __file__, *argv, "--result", str(result)]
-        subprocess.run(command, check=True, env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+        subprocess.run(command, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         figures = json.loads(result.read_text())
     print(table(figures))
     return figures

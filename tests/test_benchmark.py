@@ -89,3 +89,19 @@ def test_benchmark_compiles_every_block_of_the_lightning_rows(tmp_path):
     assert "Lightning Trainer's rows only" in summary["skipped"]["zero3_fabric"]
     for name, row in summary["rows"].items():
         assert row["loss_max_rel_diff_vs_ddp"] <= 1e-4, name
+
+
+def test_profile_step_charges_the_step_to_zero3s_parts():
+    """``examples/profile_step.py``: every part of the table is measured, the parts together are the profiled
+    step's own time, and the zero3 parts make Python calls."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import profile_step
+
+    figures = profile_step.main(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+                                 "--steps", "4", "--warmup", "2", "--zero3", "persistence_threshold=0",
+                                 "--top", "3"])  # fmt: skip
+    assert figures["units"] == 3  # the root and two blocks
+    assert set(figures["seconds"]) == set(profile_step.ORDER)
+    assert all(figures["seconds"][part] > 0 for part in ("hooks", "gather / release", "reductions", "not zero3"))
+    assert sum(figures["seconds"].values()) <= figures["step_seconds"] * 1.05  # own times within the step
+    assert figures["calls"]["hooks"] > 0 and len(figures["top"]) == 3

@@ -235,14 +235,13 @@ class Zero3Engine:
             self.secondary_size = size
             for runtime in self.runtimes:
                 group = runtime.group
-                if size and not group.persistent and not group.stays_gathered:
+                if size and not group.kept_whole:
                     index = self.comm.rank % size
                     group.secondary = SecondaryShard(
                         group.full.numel(), size, index, group.compute_dtype, self.device, self.ledger
                     )
         for runtime in self.runtimes:
-            group = runtime.group
-            group.quantized = config.quantize_gathers == "int8" and not group.persistent and not group.stays_gathered
+            runtime.group.quantized = config.quantize_gathers == "int8" and not runtime.group.kept_whole
 
     def _start_offload(self) -> Optional[Offload]:
         """The offload tiers, after checking (NVMe) that the swap folder has room for every shard."""

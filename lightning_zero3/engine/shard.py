@@ -122,9 +122,10 @@ class FlatGroup:
         total = sum(p.numel() for _, p in named_params)
         self.shard_numel = -(-total // world)  # ceil division
         self.numel = total
-        # one process, its master in the compute dtype: the shard is the full buffer (set below)
-        self.shard_is_full = stays_gathered and offload is None and self.compute_dtype == self.dtype
-        if not self.shard_is_full:
+        # one process, its master in the compute dtype: the master (the shard) is the full buffer (set below);
+        # not so under offload, whose master lives in its tier
+        self.master_is_full = stays_gathered and offload is None and self.compute_dtype == self.dtype
+        if not self.master_is_full:
             # small pages unless offload refills it from its tier at every gather: [Note: shards are in small pages]
             self.shard = releasable_buffer(self.shard_numel, self.dtype, device, huge=offload is not None)
             self.ledger.add(PARAM_SHARDS, self._nbytes(self.shard))
@@ -154,7 +155,7 @@ class FlatGroup:
             if sync_from_rank0 and not from_checkpoint:
                 comm.broadcast(master, src=0)
             start = rank * self.shard_numel
-            if self.shard_is_full:
+            if self.master_is_full:
                 self.shard = master
             elif not from_checkpoint:
                 self.shard.copy_(master[start : start + self.shard_numel])
@@ -214,6 +215,12 @@ class FlatGroup:
         return True
 
     @property
+    def kept_whole(self) -> bool:
+        """Never released: gathered from its build to teardown (persistent, or a process alone), so it has no
+        secondary shard and its gathers are never quantized."""
+        return self.persistent or self.stays_gathered
+
+    @property
     def master(self) -> Optional[torch.Tensor]:
         """What the shard parameters view and the optimizer steps (None while swapped out to NVMe)."""
         return self.shard if self.store is None else self.store.master
@@ -267,7 +274,7 @@ class FlatGroup:
         """Make the full parameters valid (waiting for a prefetch in flight). ``force`` re-gathers even
         when gathered (the shards changed)."""
         if self.pending is None:
-            if self.gathered and (not force or self.shard_is_full):  # the shard is what the model computes with
+            if self.gathered and (not force or self.master_is_full):  # the master is what the model computes with
                 return
             self.start_gather(force)
         self.pending.issue()  # a gather agreed on ahead is issued now (see [Note: checks run a unit ahead])
@@ -360,7 +367,7 @@ class FlatGroup:
         gathered at that moment) finds the output to be its input and copies nothing. In a lower compute
         dtype the full copy stays too and is cast from the master once per step. Hooks, gradients and the
         optimizer run as with several ranks, so nothing else tells one process apart."""
-        if self.persistent or self.stays_gathered:
+        if self.kept_whole:
             return
         if self.pending is not None:
             self.gather()  # a buffer may not be freed under a collective still writing into it
@@ -409,7 +416,7 @@ class FlatGroup:
         if self.gathered:
             release(self.full)
             self.ledger.remove(self._full_category, self._nbytes(self.full))
-        if (self.source is None or self.source.filled) and not self.shard_is_full:
+        if (self.source is None or self.source.filled) and not self.master_is_full:
             self.ledger.remove(PARAM_SHARDS, self._nbytes(self.shard))
         if self.grad_shard is not None:
             self.ledger.remove(GRAD_SHARDS, self._nbytes(self.grad_shard))
