@@ -28,7 +28,8 @@ The table: median step time (the warm-up steps excluded) and tokens/s, the ratio
 per-rank peak resident memory (the kernel's ``VmHWM``), per-rank model-state bytes (parameters +
 gradients + optimizer state held at the optimizer step), zero3's exposed communication (time the
 compute side waited for collectives, as a share of the step), and the largest relative difference of
-each strategy's per-step losses from DDP's. ``--json`` writes the same figures.
+each strategy's per-step losses from DDP's; below it, the host's facts (``host_facts.py``). ``--json``
+writes the same figures.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from host_facts import describe_host, host_facts  # noqa: E402
 from processes import close_process_group, exit_note, peak_rss, read_result, run_worker  # noqa: E402
 
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_fabric", "zero3_hpz", "zero3_int8", "zero3_hpz_int8")
@@ -180,7 +182,8 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> 
             )
         if row["exposed_comm_s"] is not None:
             row["exposed_comm_share"] = row["exposed_comm_s"] / row["step_time_s"]
-    return {"config": vars(args) | {"json": str(args.json), "result": None}, "rows": rows, "skipped": skipped}
+    config = vars(args) | {"json": str(args.json), "result": None}
+    return {"config": config, "host": host_facts(), "rows": rows, "skipped": skipped}
 
 
 def table(summary: dict, args) -> str:
@@ -225,6 +228,7 @@ def table(summary: dict, args) -> str:
         f"median over {cfg['runs']} runs of "
         f"{cfg['steps'] - cfg['warmup']} timed steps."
     )
+    out.append(describe_host(summary["host"]))
     return "\n".join(out)
 
 

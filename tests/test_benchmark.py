@@ -32,6 +32,10 @@ def test_benchmark_table_and_json(tmp_path):
     assert rows["ddp"]["step_time_x_ddp"] == 1.0
     assert 0 <= rows["zero3"]["exposed_comm_share"] <= 1
     assert "x DDP" in done.stdout and "zero3" in done.stdout
+    # the host's facts go beside the figures (one host's ratio is one sample)
+    host = summary["host"]
+    assert host["cores"] >= 1 and host["torch"] and host["python"]
+    assert f"{host['cores']} cores" in done.stdout and "host: " in done.stdout
 
 
 def test_a_failed_exit_fails_the_run_unless_the_worker_may_fail_at_exit(tmp_path):

@@ -305,9 +305,11 @@ def _prefetch_case(rank: int, world: int, overlap: bool) -> dict:
     engine = Zero3Engine(model, Zero3Config(persistence_threshold=10_000, overlap_comm=overlap))
     ddp = nn.parallel.DistributedDataParallel(reference)
     opts = [torch.optim.AdamW(ddp.parameters()), engine.shard_optimizer(torch.optim.AdamW(model.parameters()))]
+    events = _log_starts_and_issues(engine)
     losses = train_side_by_side((ddp, model), opts, rank, world)
     stats = engine.comm.stats
     return {
+        "late": _gathers_issued_at_their_own_start(events),
         "losses": losses,
         "prefetched": engine.schedule.prefetched,
         "hits": engine.schedule.prefetch_hits,
@@ -315,6 +317,39 @@ def _prefetch_case(rank: int, world: int, overlap: bool) -> dict:
         "total": stats["all_gather"].seconds,
         "choice": sorted(set(engine.comm.choice.values())),
     }
+
+
+def _log_starts_and_issues(engine: Zero3Engine) -> list:
+    """Every unit start (before its gathers) and every gather issued, in order: ("start", step, phase,
+    unit) and ("issue", step, units)."""
+    from lightning_zero3.engine import shard
+
+    events, start, issue = [], engine.hooks._start, shard.issue
+
+    def logged_start(phase, runtime):
+        events.append(("start", engine.schedule.steps, phase, runtime.name))
+        start(phase, runtime)
+
+    def logged_issue(groups):
+        events.append(("issue", engine.schedule.steps, [g.name for g in groups]))
+        issue(groups)
+
+    engine.hooks._start = logged_start
+    shard.issue = logged_issue
+    return events
+
+
+def _gathers_issued_at_their_own_start(events: list) -> list:
+    """The (phase, unit) starts after the first step whose gather was issued only once the unit started:
+    nothing of its gather ran behind the compute before it."""
+    starts = [i for i, e in enumerate(events) if e[0] == "start"]
+    late = []
+    for i in starts:
+        _, step, phase, name = events[i]
+        following = events[i + 1 : next((j for j in starts if j > i), len(events))]
+        if step >= 1 and name != "<root>" and any(name in e[2] for e in following if e[0] == "issue"):
+            late.append((step, phase, name))
+    return late
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -326,6 +361,10 @@ def test_prefetch_and_async_reduce_keep_ddp_parity(overlap):
         # after the recorded first step, every block but the first is gathered ahead, forward and backward
         assert result["prefetched"] >= 2 * (CFG.n_layer - 1) * 2
         assert result["hits"] >= result["prefetched"]
+        # every gather after the first step runs behind the compute of a unit before its own (the first
+        # block's behind the root's start, the first block of backward's behind the last block's): see
+        # [Note: a blocking check takes the gathers ahead along] in shard.py
+        assert result["late"] == [], result["late"]
         assert 0 <= result["exposed"] <= result["total"]
     assert results[0]["choice"] == results[1]["choice"]  # measured choice, agreed by the ranks
 

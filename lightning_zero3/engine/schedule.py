@@ -28,7 +28,7 @@ rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
@@ -167,6 +167,16 @@ class Schedule:
         self._note_change()
         return Start([], True)
 
+    def ahead_of_next(self, phase: str, from_start: bool = False) -> list["UnitRuntime"]:
+        """The units to gather ahead of the next unit of ``phase``, from a point that is not a unit's start:
+        the root's start (the next unit of the trace; a root called inside its own forward, as Lightning's
+        forward redirection runs ``validation_step``, continues the pass rather than opening one), or the
+        end of a forward for its backward (``from_start``). None while recording, and with one process,
+        whose gathers are copies with nothing to run behind (its units start their own)."""
+        if self.recording[phase] or not self.check.checks_ahead:
+            return []
+        return self._window(self.traces[phase], 0 if from_start else self.cursors[phase], None)
+
     def upcoming(self, phase: str, count: int, wrap: bool = False) -> list["UnitRuntime"]:
         """The next ``count`` units of the recorded trace not gathered yet (none while recording). ``wrap``:
         past the end of the trace, continue from its start (evaluation: the next call runs the same units,
@@ -179,7 +189,7 @@ class Schedule:
         chosen = [unit for unit in trace if not unit.group.gathered and unit.group.pending is None]
         return list(dict.fromkeys(chosen))[:count]
 
-    def _window(self, trace: list["UnitRuntime"], start: int, starting: "UnitRuntime") -> list["UnitRuntime"]:
+    def _window(self, trace: list["UnitRuntime"], start: int, starting: Optional["UnitRuntime"]) -> list["UnitRuntime"]:
         live = sum(rt.group.full.numel() for rt in self.units if rt.group.gathered or rt.group.pending is not None)
         # Gathers in flight once this start is over. Gathers agreed on ahead are issued at the next start
         # (see [Note: checks run a unit ahead] in agreement.py), when the unit starting now is no longer
