@@ -237,6 +237,86 @@ def test_module_called_twice_tied_and_unused_weights_match_ddp(policy, units):
         assert result["diff"] < 1e-5
 
 
+class Gated(nn.Module):
+    """One unit whose second weight only some ranks use and whose third no rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.never = (nn.Parameter(torch.randn(32, 32) * 0.1) for _ in range(3))
+
+    def forward(self, h, use_second: bool):
+        h = h @ self.first
+        return h @ self.second if use_second else h
+
+
+class GatedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.gated = nn.ModuleList([Gated(), Gated()])
+
+    def forward(self, x, use_second: bool):
+        h = self.emb(x)
+        for layer in self.gated:
+            h = layer(h, use_second)
+        return h @ self.emb.weight.t()
+
+
+def _rank_dependent_use_case(rank: int, world: int) -> dict:
+    from lightning_zero3.engine import grads, shard
+
+    torch.manual_seed(0)
+    reference = GatedNet()
+    model = copy.deepcopy(reference)
+    ddp = nn.parallel.DistributedDataParallel(reference, find_unused_parameters=True)
+    engine = Zero3Engine(model, Zero3Config(persistence_threshold=0, unit_modules=[Gated]))
+    opts = [torch.optim.SGD(ddp.parameters(), lr=0.5), engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))]
+    landed, sent = set(), set()  # [Note: the landing buffer is sent]: the same memory
+    land, reduce = shard.FlatGroup.land_gradients, grads.reduce_packed
+
+    def spy_land(group):
+        land(group)
+        if group.landing is not None:
+            landed.add(group.landing.data_ptr())
+
+    def spy_reduce(packed, comm, async_op=False):
+        sent.update(p.buffer.data_ptr() for p in packed)
+        return reduce(packed, comm, async_op)
+
+    shard.FlatGroup.land_gradients, grads.reduce_packed = spy_land, spy_reduce
+    g = torch.Generator().manual_seed(rank)
+    none_after_backward = []
+    for step in range(3):
+        x = torch.randint(0, 64, (4, 8), generator=g)
+        for net, optimizer in zip((ddp, model), opts):
+            _loss(lambda t: net(t, use_second=(rank == 0)), x, x).backward()
+            if net is model:
+                none_after_backward.append(
+                    {
+                        slot.name: slot.shard_param.grad is None
+                        for rt in engine.runtimes
+                        for slot in rt.group.trainable_slots
+                        if slot.hi > slot.lo  # this rank holds some of it
+                    }
+                )
+            optimizer.step()
+            optimizer.zero_grad()
+    with gathered_parameters(model):
+        diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
+    engine.close()
+    return {"diff": diff, "none": none_after_backward, "sent_landing": bool(sent & landed), "sent": len(sent)}
+
+
+def test_a_parameter_used_on_some_ranks_gets_ddps_mean_and_one_used_nowhere_keeps_no_gradient():
+    for result in run_ranks(_rank_dependent_use_case, 2):
+        assert result["diff"] == 0.0  # SGD steps equal DDP's bitwise (find_unused_parameters=True)
+        for step in result["none"]:
+            assert any(name.endswith(("second", "never")) for name in step)  # the rank holds pieces of both kinds
+            for name, none in step.items():
+                assert none == name.endswith("never"), name  # "second": rank 0's gradient / 2 on both ranks
+        assert result["sent_landing"]  # the buffer the gradients landed in is the one sent
+
+
 def _bad_optimizer_case(rank: int, world: int) -> str:
     model = GPT(CFG)
     engine = Zero3Engine(model, Zero3Config())

@@ -70,6 +70,7 @@ def test_flags_say_which_parameters_had_a_gradient_and_none_stays_none(engine):
     assert packed.used_here == [name == "blocks.0.fc.weight" for name in names]
     reduced = packed.buffer.reshape(-1).clone()  # one rank: the reduce-scatter is a copy
     grads._accumulate(packed, reduced)
+    grads.restore_unused([packed], engine.comm)  # when backward ends: no rank used the others
     for slot in block.group.trainable_slots:
         assert (slot.shard_param.grad is not None) == (slot.name == "blocks.0.fc.weight"), slot.name
 

@@ -14,11 +14,13 @@ Accumulation follows torch's own rule, per shard parameter: if its ``.grad`` is 
 [Note: which parameters had a gradient]
 DDP with ``find_unused_parameters=True`` leaves ``.grad`` alone (None after ``zero_grad``) for a
 parameter that no rank used, and gives a parameter that some ranks used the mean over all ranks, zeros
-counting for the others. To do the same, each rank appends one flag per trainable parameter (1 if the
-parameter has a gradient here, else 0) to *every* rank's slice of the packed buffer: the reduce-scatter
-sums the flags along with the gradients, so every rank learns how many ranks used each parameter, with
-no collective of its own. A parameter with count 0 keeps its ``.grad``. (A count is a sum of ones, exact
-in any reduce dtype up to 256 ranks in bf16, and never 0 when some rank used it.)
+counting for the others. To do the same, each rank counts which trainable parameters got a gradient
+here (``Packed.used_here``); a parameter without one sends zeros. When backward ends, the ranks tell
+each other on the check group (host integers, no device synchronisation) whether any of them lacked a
+gradient, and only then exchange the flags of every unit reduced (``restore_unused``): a shard gradient
+that this backward created for a parameter no rank used is set back to None. (The flags used to travel
+as extra columns of each unit's reduce-scatter; that kept the send buffer from being the buffer the
+gradients land in, see [Note: the landing buffer is sent].)
 
 [Note: reduction order]
 The n-th reduce-scatter of every rank must reduce the same groups, or gradients of one unit are summed
@@ -62,59 +64,91 @@ MAX_INFLIGHT_REDUCES = 2
 
 
 class Packed(NamedTuple):
-    """One group's gradients ready to reduce: ``buffer`` is (world, shard_numel + k), row r what rank r
-    receives: its slice of the gradients, then the k flags of [Note: which parameters had a gradient]."""
+    """One group's gradients ready to reduce: ``buffer`` is (world, shard_numel), row r the slice rank r
+    receives, in the group's padded full layout."""
 
     group: FlatGroup
     buffer: torch.Tensor
     used_here: list[bool]  # per trainable slot: this rank had a gradient for it
     ends_alike: bool  # its unit's backward ends at the same point on every rank (UnitRuntime.ends_alike)
+    divide_after: bool  # the sum is divided by the world size after the reduce-scatter (divides_exactly_after)
+    created: list  # trainable slots whose shard ``.grad`` this reduction created (filled by _accumulate)
 
     @property
     def width(self) -> int:
         return self.buffer.shape[1]
 
 
+def divides_exactly_after(world: int, dtype: torch.dtype) -> bool:
+    """Whether dividing the reduced sum by ``world`` gives the very bits of summing gradients divided
+    first (as DDP does): so it does when ``world`` is a power of two and the dtype has fp32's exponent
+    range, since scaling by a power of two is exact there and commutes with every rounding of the sum
+    (an fp16 sum could overflow where the divided one does not). Dividing the 1/world slice instead of
+    the whole unit takes a pass over unit-sized buffers off every backward."""
+    return world & (world - 1) == 0 and dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
 def _new_buffer(pool: BufferPool, world: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Where every packed gradient buffer comes from: the engine's staging pool, given back once the
-    reduce-scatter that reads it has completed (see [Note: reused staging buffers] in memory.py). Not
-    zeroed: its users write every element (see [Note: packing writes every element once])."""
+    """Where a packed gradient buffer comes from when it is not the landing buffer: the engine's staging
+    pool, given back once the reduce-scatter that reads it has completed (see [Note: reused staging
+    buffers] in memory.py). Not zeroed: its users write every element (see [Note: packing writes every
+    element once])."""
     return pool.take(world * width, dtype, device).view(world, width)
 
 
 def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True) -> Optional[Packed]:
-    """The group's full gradients packed for ``reduce_packed``, divided by the world size; the parameters'
-    own ``.grad`` are freed. None when the group has nothing trainable.
+    """The group's full gradients packed for ``reduce_packed`` (divided by the world size, unless the
+    reduced slice is: ``divides_exactly_after``); the parameters' own ``.grad`` are freed. None when the
+    group has nothing trainable.
+
+    [Note: the landing buffer is sent]
+    The gradients of a unit land in one zeroed buffer in the padded full layout (see [Note: gradients
+    land in a pooled buffer] in shard.py), which is the layout the reduce-scatter reads. So when the
+    reduce dtype is the compute dtype, that buffer itself is sent: no copy of the unit, and no division
+    either where it is exact after the sum. Only a gradient that autograd did not leave in its landing
+    view (another dtype, a replaced ``.grad``) is copied into place.
 
     [Note: packing writes every element once]
-    The packed buffer is as large as the unit, and the step's host work is mostly passes over such
-    buffers (``examples/profile_step.py``: zeroing staging buffers was zero3's costliest own work). So it
-    is not zeroed first and divided after: each gradient is divided by the world size as it is copied in
-    (``torch.div`` with ``out=``, the same rounding as a copy and a division), and only what no gradient
-    covers is zeroed: frozen parameters, parameters without a gradient, the padding, the flag columns."""
+    Otherwise (another reduce dtype, no landing buffer) the gradients are copied into a staging buffer
+    that is not zeroed first: each gradient is divided as it is copied (where the division is not left
+    for after the sum), and only what no gradient covers is zeroed: frozen parameters, parameters
+    without a gradient, the padding."""
     if not group.trainable:
         return None
     world, width = comm.world_size, group.shard_numel
     slots = group.trainable_slots
-    buffer = _new_buffer(group.pool, world, width + len(slots), group.reduce_dtype, group.shard.device)
-    grads = buffer[:, :width]
-    flags = buffer[:, width:]
-    flags.zero_()
-    used, written = [], set()
-    for index, slot in enumerate(slots):
+    divide_after = divides_exactly_after(world, group.reduce_dtype)
+    used = [group.had_gradient(slot) for slot in slots]
+    landing = group.landing
+    if landing is not None and landing.dtype == group.reduce_dtype:  # [Note: the landing buffer is sent]
+        group.landing = None  # the reduction owns it now
+        for slot, had in zip(slots, used):
+            grad = slot.param.grad
+            if had and grad is not None and grad.data_ptr() != landing[slot.offset :].data_ptr():
+                landing[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
+        if not divide_after:
+            landing.div_(world)
+        buffer = landing.view(world, width)
+    else:
+        buffer = _new_buffer(group.pool, world, width, group.reduce_dtype, group.shard.device)
+        _pack_copies(buffer, group, used, 1 if divide_after else world)
+    group.gradients_packed()
+    return Packed(group, buffer, used, ends_alike, divide_after, [])
+
+
+def _pack_copies(buffer: torch.Tensor, group: FlatGroup, used: list[bool], divisor: int) -> None:
+    """Write every element of ``buffer`` once: the gradients (divided by ``divisor``), zeros elsewhere."""
+    written = set()
+    for slot, had in zip(group.trainable_slots, used):
         grad = slot.param.grad
-        had = group.had_gradient(slot)
-        used.append(had)
         if had and grad is not None:
-            _copy_rows(grads, slot.offset, grad.detach().reshape(-1), world)
+            _copy_rows(buffer, slot.offset, grad.detach().reshape(-1), divisor)
             written.add(id(slot))
-            flags[:, index] = 1
     for slot in group.slots:
         if id(slot) not in written:
-            _zero_rows(grads, slot.offset, slot.numel)
-    _zero_rows(grads, group.numel, world * width - group.numel)  # the padding
-    group.gradients_packed()
-    return Packed(group, buffer, used, ends_alike)
+            _zero_rows(buffer, slot.offset, slot.numel)
+    world, width = buffer.shape
+    _zero_rows(buffer, group.numel, world * width - group.numel)  # the padding
 
 
 def _row_pieces(rows: torch.Tensor, offset: int, numel: int) -> list:
@@ -224,29 +258,53 @@ def _accumulate(item: Packed, reduced: torch.Tensor, read: Callable[[], None] = 
     group = item.group
     grads = reduced[: group.shard_numel]
     if group.store is not None:  # offload: the gradient shard lives with the master (see README, DDP differences)
+        if item.divide_after:
+            grads.div_(group.comm.world_size)
         group.store.accumulate(grads, read)
         return
-    _accumulate_on_device(item, reduced)
+    _accumulate_on_device(item, grads)
     read()
 
 
-def _accumulate_on_device(item: Packed, reduced: torch.Tensor) -> None:
+def _accumulate_on_device(item: Packed, grads: torch.Tensor) -> None:
     group = item.group
-    grads = reduced[: group.shard_numel]
-    slots = group.trainable_slots
-    # counts are read (a host sync on a GPU) only when this rank lacks a gradient that another may have had
-    counts = None if all(item.used_here) else reduced[group.shard_numel :].tolist()
-    for index, slot in enumerate(slots):
-        if slot.hi == slot.lo or (counts is not None and counts[index] == 0):
-            continue  # nothing of it here, or no rank used it: ``.grad`` stays as it is
+    divisor = group.comm.world_size if item.divide_after else 1
+    for slot in group.trainable_slots:
+        if slot.hi == slot.lo:
+            continue  # nothing of it here
         piece = grads[slot.lo : slot.hi]
         shard_param = slot.shard_param
         if shard_param.grad is None:
             view = group.grad_shard[slot.lo : slot.hi]
-            view.copy_(piece)
+            if divisor == 1:
+                view.copy_(piece)
+            else:
+                torch.div(piece, divisor, out=view)
             shard_param.grad = view
-        else:
+            item.created.append(slot)
+        elif divisor == 1:
             shard_param.grad.add_(piece)
+        else:  # piece / divisor is exact (a power of two), so the sum rounds as the divided one would
+            shard_param.grad.add_(piece, alpha=1.0 / divisor)
+
+
+def restore_unused(reduced: list[Packed], comm: Communicator) -> None:
+    """[Note: which parameters had a gradient]: a shard ``.grad`` that this backward created for a
+    parameter that no rank used goes back to None. Host-side checks on the check group (no device
+    synchronisation), the same on every rank: first whether any rank lacked a gradient at all (one
+    integer each); only then every rank's flags, one per trainable parameter of the groups reduced."""
+    used = [flag for item in reduced for flag in item.used_here]
+    if all(row[0] == 0 for row in comm.agree([0 if all(used) else 1])):
+        return
+    counts = [sum(column) for column in zip(*comm.agree([int(flag) for flag in used]))]
+    start = 0
+    for item in reduced:
+        slots = item.group.trainable_slots
+        unused = {id(slot) for slot, count in zip(slots, counts[start : start + len(slots)]) if count == 0}
+        for slot in item.created:
+            if id(slot) in unused:
+                slot.shard_param.grad = None
+        start += len(slots)
 
 
 class ReductionQueue:
@@ -270,6 +328,7 @@ class ReductionQueue:
         self._next = 0  # index in ``order`` of the next unit to issue
         self._bucket: list[Packed] = []
         self._inflight: deque[_Accumulation] = deque()
+        self._reduced: list[Packed] = []  # every group packed in this backward, in order (restore_unused)
         self.issued = 0  # reduce-scatters issued (for tests and monitors)
 
     def order_for(self, backward_trace: list["UnitRuntime"]) -> list["UnitRuntime"]:
@@ -298,6 +357,7 @@ class ReductionQueue:
             runtime.reduced = True
             packed = pack_gradients(runtime.group, self.comm, runtime.ends_alike)
             assert packed is not None
+            self._reduced.append(packed)
             if packed.group.full.numel() >= self.bucket_numel:
                 self._flush()
                 self._issue([packed])
@@ -312,6 +372,8 @@ class ReductionQueue:
         self._flush()
         while self._inflight:
             self._inflight.popleft().wait()
+        reduced, self._reduced = self._reduced, []
+        restore_unused(reduced, self.comm)
         self.order = []
 
     def _retire(self) -> None:

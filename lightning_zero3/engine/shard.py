@@ -436,7 +436,8 @@ class FlatGroup:
         leave, so the heap (and the resident set) grew by about a unit per unit through backward (measured:
         +240 MB on 128 units of 4 MB). A gradient that already exists is accumulated into in place, so a
         zeroed view of a pooled buffer, set before the unit's backward starts, receives the gradient with
-        no allocation; the buffer goes back to the pool when the gradients are packed. Which parameters
+        no allocation; the buffer is then what the reduce-scatter sends (see [Note: the landing buffer is
+        sent] in grads.py), back to the pool once it has been sent. Which parameters
         really received a gradient is recorded by the post-accumulate hook (``note_arrival``), since a
         landing view exists whether or not autograd wrote into it."""
         if self.landing is not None or not self.trainable:
