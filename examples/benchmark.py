@@ -24,7 +24,9 @@ run is a fresh set of processes:
 - ``zero3_fabric`` is zero3 behind Lightning Fabric (``Fabric(strategy=Zero3FabricStrategy(...))``), the same
   model, optimizer and batches in a plain Fabric loop: the cost of the second front door.
 
-The table: median step time (the warm-up steps excluded) and tokens/s, the ratio to DDP, the highest
+The table: median step time (the warm-up steps excluded), the CPU time rank 0's process spent per step
+(every thread of it: compute and the collectives' own; on a host whose cores the ranks share, this is
+what competes), tokens/s, the ratio to DDP, the highest
 per-rank peak resident memory (the kernel's ``VmHWM``), per-rank model-state bytes (parameters +
 gradients + optimizer state held at the optimizer step), zero3's exposed communication (time the
 compute side waited for collectives, as a share of the step), and the largest relative difference of
@@ -162,6 +164,8 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> 
         exposed = [r["exposed_comm_per_step"] for r in runs if r.get("exposed_comm_per_step") is not None]
         rows[strategy] = {
             "step_time_s": step,
+            # CPU seconds one rank's process (all its threads: compute, the collectives') spends per step
+            "cpu_s_per_step": statistics.median(statistics.median(r["cpu_times"]) for r in runs),
             "tokens_per_s": tokens / step,
             "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in runs),
             "model_state_bytes": statistics.median(r["model_state_bytes"] for r in runs),
@@ -187,7 +191,7 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> 
 
 
 def table(summary: dict, args) -> str:
-    head = ("strategy", "step s", "tokens/s", "x DDP", "peak RSS/rank MiB", "model states/rank MiB",
+    head = ("strategy", "step s", "CPU s/step", "tokens/s", "x DDP", "peak RSS/rank MiB", "model states/rank MiB",
             "x DDP", "exposed comm", "losses vs DDP")  # fmt: skip
     several = args.nodes > 1
     if several:
@@ -200,6 +204,7 @@ def table(summary: dict, args) -> str:
         lines.append((
             name,
             f"{row['step_time_s']:.3f}",
+            f"{row['cpu_s_per_step']:.3f}",
             f"{row['tokens_per_s']:.0f}",
             f"{row.get('step_time_x_ddp', float('nan')):.2f}",
             f"{row['peak_rss_bytes'] / 2**20:.0f}",
@@ -308,6 +313,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
     class Probe(pl.Callback):
         def __init__(self) -> None:
             self.step_times, self.losses, self.model_state, self.comm_at_warmup = [], [], 0, None
+            self.cpu_times = []  # CPU seconds of this process (every thread: compute, gloo) per timed step
             self._start = 0.0
             self.ledger_inter_node = 0  # zero3: bytes from other nodes in its own ledger, timed steps
             self._ledger_at_start = 0
@@ -327,7 +333,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
                 counter.counting = batch_idx >= args.warmup
                 self._ledger_at_start = ledger_inter_node(trainer)
             finish_device_work(trainer)
-            self._start = time.perf_counter()
+            self._start, self._cpu_start = time.perf_counter(), time.process_time()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             engine = getattr(trainer.strategy, "engine", None)
@@ -348,9 +354,10 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             finish_device_work(trainer)  # a GPU step ends when its kernels do, not when they are queued
-            elapsed = time.perf_counter() - self._start
+            elapsed, cpu = time.perf_counter() - self._start, time.process_time() - self._cpu_start
             if batch_idx >= args.warmup:
                 self.step_times.append(elapsed)
+                self.cpu_times.append(cpu)
             if counter is not None:
                 counter.counting = False  # not the loss's all-reduce below
                 if batch_idx >= args.warmup:
@@ -402,6 +409,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
             "counted_inter_node_bytes_per_step": counted.item() / steps,
         }
     if trainer.is_global_zero:
+        extra = {**extra, "cpu_times": probe.cpu_times}
         write_result(args, probe.step_times, probe.losses, int(rss.item()), int(state.item()), exposed, extra)
     close_process_group()
 
@@ -434,9 +442,9 @@ def deepspeed_worker(args: argparse.Namespace) -> None:
     data = dataset(args)
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-    step_times, losses = [], []
+    step_times, losses, cpu_times = [], [], []
     for step, (x, y) in enumerate(loader):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         logits = engine(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         engine.backward(loss)
@@ -445,13 +453,14 @@ def deepspeed_worker(args: argparse.Namespace) -> None:
         engine.step()
         if step >= args.warmup:
             step_times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
     figures = torch.tensor([peak_rss(), state], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     if rank == 0:
-        write_result(args, step_times, losses, int(figures[0]), int(figures[1]), None)
+        write_result(args, step_times, losses, int(figures[0]), int(figures[1]), None, {"cpu_times": cpu_times})
     close_process_group()  # deepspeed.init_distributed leaves it open, as Lightning's DDP does
 
 
@@ -500,7 +509,7 @@ def fabric_worker(args: argparse.Namespace) -> None:
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=fabric.world_size, rank=fabric.global_rank, seed=0)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=args.batch_size, sampler=sampler),
                                       use_distributed_sampler=False)  # fmt: skip
-    step_times, losses, state = [], [], 0
+    step_times, losses, state, cpu_times = [], [], 0, []
     engine = strategy.engine
     comm_at_warmup = None
     for step, (x, y) in enumerate(loader):
@@ -508,7 +517,7 @@ def fabric_worker(args: argparse.Namespace) -> None:
             comm_at_warmup = sum(s.exposed_seconds for s in engine.comm.stats.values())
         if args.accelerator == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         fabric.backward(loss)
@@ -520,11 +529,12 @@ def fabric_worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         if step >= args.warmup:
             step_times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
     exposed = (sum(s.exposed_seconds for s in engine.comm.stats.values()) - comm_at_warmup) / len(step_times)
     figures = fabric.all_reduce(torch.tensor([peak_rss(), state], dtype=torch.float64, device=fabric.device), reduce_op="max")
     if fabric.global_rank == 0:
-        write_result(args, step_times, losses, int(figures[0]), int(figures[1]), exposed)
+        write_result(args, step_times, losses, int(figures[0]), int(figures[1]), exposed, {"cpu_times": cpu_times})
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ def test_benchmark_table_and_json(tmp_path):
     for name, row in rows.items():
         assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 2**20
         assert row["model_state_bytes"] > 0
+        assert 0 < row["cpu_s_per_step"] < 64 * row["step_time_s"]  # CPU seconds of one process, all threads
         assert row["loss_max_rel_diff_vs_ddp"] <= 1e-4, name  # every peer trains the same model alike
     assert rows["ddp"]["step_time_x_ddp"] == 1.0
     assert 0 <= rows["zero3"]["exposed_comm_share"] <= 1
