@@ -75,6 +75,25 @@ def test_flags_say_which_parameters_had_a_gradient_and_none_stays_none(engine):
         assert (slot.shard_param.grad is not None) == (slot.name == "blocks.0.fc.weight"), slot.name
 
 
+def test_a_forward_whose_backward_never_came_does_not_keep_units_gathered_into_the_next(engine):
+    # the root and the last block are kept from a forward into its backward; when the next forward starts
+    # and that backward has not run, they go (this forward's memory is every step's), and training goes on
+    from routing_models import lm_loss
+
+    model, engine = engine
+    u = _units(engine)
+    tokens = torch.randint(0, 32, (2, 6))
+    lm_loss(model(tokens), tokens).backward()  # the first step records the traces
+    lm_loss(model(tokens), tokens)  # no backward
+    assert u["<root>"].backward_hold and u["blocks.3"].backward_hold and u["blocks.3"].group.gathered
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda *_: seen.append(u["blocks.3"].group.gathered), prepend=True)
+    lm_loss(model(tokens), tokens).backward()
+    assert seen == [False]  # released when the forward began, gathered again at its own start
+    assert not any(rt.backward_hold for rt in engine.runtimes)
+    assert all(slot.shard_param.grad is not None for slot in u["blocks.3"].group.trainable_slots)
+
+
 def test_the_trace_is_re_recorded_when_the_order_changes_and_prefetch_follows_it(engine):
     model, engine = engine
     tokens = torch.randint(0, 32, (1, 5))

@@ -170,8 +170,20 @@ class HookManager:
             if self._root_depth == 0:
                 if self.residency is not None:
                     self.residency.forward_call(torch.is_grad_enabled())
+                if not self._backward_running:
+                    self._drop_holds_for_a_backward_not_run()
                 self.schedule.begin("forward")
             self._root_depth += 1
+
+    def _drop_holds_for_a_backward_not_run(self) -> None:
+        """A forward starts while units are still held for the backward of an earlier one (the root, the
+        last unit, the backward's first gathers ahead): that backward has not run and may never run (a
+        forward whose output was not backpropagated), so they are released, and this forward's memory is
+        the same as every step's. A backward that does come later gathers them at its units' starts."""
+        for runtime in self.runtimes:
+            if runtime.backward_hold and not runtime.backward_started:
+                runtime.backward_hold = False
+        self._release_unheld()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not in_backward():
@@ -187,8 +199,8 @@ class HookManager:
         that its first start issues them at once instead of agreeing on them there, a unit late (see
         [Note: a blocking check takes the gathers ahead along] in shard.py). Measured on the benchmark
         GPT: the first block gathered in backward waited 25 ms per step for a gather issued at its own
-        start. A forward whose backward never comes leaves them gathered for the next forward, which
-        uses them in its order (their release after it) or releases them at its end."""
+        start. A forward whose backward never comes leaves them gathered until the next forward starts
+        (``_drop_holds_for_a_backward_not_run``)."""
         ahead = self.schedule.ahead_of_next("backward", from_start=True)
         if ahead:
             start_gathers([unit.group for unit in ahead], self.coalesce_below, first_needed=False)
