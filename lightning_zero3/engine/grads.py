@@ -122,9 +122,10 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
     landing = group.landing
     if landing is not None and landing.dtype == group.reduce_dtype:  # [Note: the landing buffer is sent]
         group.landing = None  # the reduction owns it now
+        base, size = landing.data_ptr(), landing.element_size()
         for slot, had in zip(slots, used):
             grad = slot.param.grad
-            if had and grad is not None and grad.data_ptr() != landing[slot.offset :].data_ptr():
+            if had and grad is not None and grad.data_ptr() != base + slot.offset * size:  # not its landing view
                 landing[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
         if not divide_after:
             landing.div_(world)

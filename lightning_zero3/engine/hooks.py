@@ -88,9 +88,9 @@ class HookManager:
     ``ReductionQueue`` from them.
 
     The root unit (if it owns sharded parameters) is gathered for the whole forward and backward (kept
-    from one into the other) and is not prefetched; a forward of the root module starts a new pass of the schedule, and its start
-    issues the first gathers of that pass (so does the end of a forward, for its backward). Prefetched gathers
-    run asynchronously; everything is complete when backward ends.
+    from one into the other) and is not prefetched; a forward of the root module starts a new pass of
+    the schedule, and its start issues the first gathers of that pass (so does the end of a forward, for
+    its backward). Prefetched gathers run asynchronously; everything is complete when backward ends.
     """
 
     def __init__(
@@ -144,16 +144,15 @@ class HookManager:
     def _gather(self, phase: str, runtime: UnitRuntime) -> None:
         if runtime is self.root:  # not in the traces: it opens the pass, with the first units ahead
             ahead = self.schedule.ahead_of_next(phase)
-            start_gathers([runtime.group] + [unit.group for unit in ahead], self.coalesce_below)
-            runtime.acquire()
-            return
-        start = self.schedule.on_start(phase, runtime)
-        if start.changed:
-            self._release_unheld(keep=runtime)  # prefetched for the old order
-        evaluating = self.residency is not None and self.residency.active
-        for unit in self.schedule.upcoming(phase, self.read_ahead, wrap=evaluating):
-            unit.group.prefetch_input()
-        start_gathers([runtime.group] + [unit.group for unit in start.ahead], self.coalesce_below)
+        else:
+            start = self.schedule.on_start(phase, runtime)
+            if start.changed:
+                self._release_unheld(keep=runtime)  # prefetched for the old order
+            evaluating = self.residency is not None and self.residency.active
+            for unit in self.schedule.upcoming(phase, self.read_ahead, wrap=evaluating):
+                unit.group.prefetch_input()
+            ahead = start.ahead
+        start_gathers([runtime.group] + [unit.group for unit in ahead], self.coalesce_below)
         runtime.acquire()
 
     def _release_unheld(self, keep: Optional[UnitRuntime] = None) -> None:

@@ -504,7 +504,7 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bo
     round trip more, and the first units prefetched in a pass lead by a whole unit (measured on the
     benchmark GPT: the second block of each forward waited 16-20 ms for a gather issued at its own start).
     """
-    check = groups[0].check if groups else None
+    check = groups[0].check
     if check is not None:
         check.settle()  # gathers agreed on ahead go first: see [Note: checks run a unit ahead] in agreement.py
     needed = groups[:1] if first_needed else []
