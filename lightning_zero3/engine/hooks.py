@@ -130,16 +130,10 @@ class HookManager:
         self._handles = []
 
     def _start(self, phase: str, runtime: UnitRuntime) -> None:
-        """Gather ``runtime`` and issue the prefetches the schedule asks for (root: no schedule). In the
-        profile calls of an evaluation stage, how long the forward waited for it is recorded (residency.py)."""
+        """Gather ``runtime`` and issue the prefetches the schedule asks for (root: its first units)."""
         if self.residency is not None and phase == "forward":
             self.residency.unit_started(runtime)
-        if self.residency is not None and phase == "forward" and self.residency.profiling:
-            began = time.perf_counter()
-            self._gather(phase, runtime)
-            self.residency.record(runtime, time.perf_counter() - began)
-        else:
-            self._gather(phase, runtime)
+        self._gather(phase, runtime)
 
     def _gather(self, phase: str, runtime: UnitRuntime) -> None:
         if runtime is self.root:  # not in the traces: it opens the pass, with the first units ahead
@@ -153,7 +147,14 @@ class HookManager:
                 unit.group.prefetch_input()
             ahead = start.ahead
         start_gathers([runtime.group] + [unit.group for unit in ahead], self.coalesce_below)
-        runtime.acquire()
+        if self.residency is not None and phase == "forward" and self.residency.profiling:
+            # in the profile calls of an evaluation stage, how long the forward waited for this unit's own
+            # gather (residency.py); issuing the gathers ahead is not this unit's wait
+            began = time.perf_counter()
+            runtime.acquire()
+            self.residency.record(runtime, time.perf_counter() - began)
+        else:
+            runtime.acquire()
 
     def _release_unheld(self, keep: Optional[UnitRuntime] = None) -> None:
         """Release every unit that is gathered (or in flight) for no reason any more: prefetched for an
