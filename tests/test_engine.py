@@ -287,9 +287,12 @@ def _rank_dependent_use_case(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     none_after_backward = []
     for step in range(3):
-        x = torch.randint(0, 64, (4, 8), generator=g)
+        # two micro-batches: the second accumulates into shard gradients of which some are None ("never"),
+        # parameter by parameter (see [Note: the gradient shard in one pass] in grads.py)
+        micro = [torch.randint(0, 64, (4, 8), generator=g) for _ in range(2)]
         for net, optimizer in zip((ddp, model), opts):
-            _loss(lambda t: net(t, use_second=(rank == 0)), x, x).backward()
+            for x in micro:
+                _loss(lambda t: net(t, use_second=(rank == 0)), x, x).backward()
             if net is model:
                 none_after_backward.append(
                     {
@@ -309,7 +312,9 @@ def _rank_dependent_use_case(rank: int, world: int) -> dict:
 
 def test_a_parameter_used_on_some_ranks_gets_ddps_mean_and_one_used_nowhere_keeps_no_gradient():
     for result in run_ranks(_rank_dependent_use_case, 2):
-        assert result["diff"] == 0.0  # SGD steps equal DDP's bitwise (find_unused_parameters=True)
+        # SGD steps equal DDP's (find_unused_parameters=True) up to the rounding of accumulation: DDP adds the
+        # second micro-batch's local gradient to the averaged first and averages again (measured: 2.4e-7)
+        assert result["diff"] < 1e-6
         for step in result["none"]:
             assert any(name.endswith(("second", "never")) for name in step)  # the rank holds pieces of both kinds
             for name, none in step.items():

@@ -55,6 +55,7 @@ import torch
 
 from .comm import Communicator, Pending
 from .memory import BufferPool
+from .released import engine_access
 from .shard import FlatGroup
 
 if TYPE_CHECKING:
@@ -118,21 +119,22 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
     world, width = comm.world_size, group.shard_numel
     slots = group.trainable_slots
     divide_after = divides_exactly_after(world, group.reduce_dtype)
-    used = [group.had_gradient(slot) for slot in slots]
     landing = group.landing
-    if landing is not None and landing.dtype == group.reduce_dtype:  # [Note: the landing buffer is sent]
-        group.landing = None  # the reduction owns it now
-        base, size = landing.data_ptr(), landing.element_size()
-        for slot, had in zip(slots, used):
-            grad = slot.param.grad
-            if had and grad is not None and grad.data_ptr() != base + slot.offset * size:  # not its landing view
-                landing[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
-        if not divide_after:
-            landing.div_(world)
-        buffer = landing.view(world, width)
-    else:
-        buffer = _new_buffer(group.pool, world, width, group.reduce_dtype, group.shard.device)
-        _pack_copies(buffer, group, used, 1 if divide_after else world)
+    with engine_access():  # the unit is released by now: its parameters' ``.grad`` read in bulk
+        used = [group.had_gradient(slot) for slot in slots]
+        if landing is not None and landing.dtype == group.reduce_dtype:  # [Note: the landing buffer is sent]
+            group.landing = None  # the reduction owns it now
+            base, size = landing.data_ptr(), landing.element_size()
+            for slot, had in zip(slots, used):
+                grad = slot.param.grad
+                if had and grad is not None and grad.data_ptr() != base + slot.offset * size:  # not its landing view
+                    landing[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
+            if not divide_after:
+                landing.div_(world)
+            buffer = landing.view(world, width)
+        else:
+            buffer = _new_buffer(group.pool, world, width, group.reduce_dtype, group.shard.device)
+            _pack_copies(buffer, group, used, 1 if divide_after else world)
     group.gradients_packed()
     return Packed(group, buffer, used, ends_alike, divide_after, [])
 
@@ -268,8 +270,12 @@ def _accumulate(item: Packed, reduced: torch.Tensor, read: Callable[[], None] = 
 
 
 def _accumulate_on_device(item: Packed, grads: torch.Tensor) -> None:
+    """Torch's accumulation rule per shard parameter (see the top of this file), in one pass over the unit
+    where it can: [Note: the gradient shard in one pass]."""
     group = item.group
     divisor = group.comm.world_size if item.divide_after else 1
+    if _accumulate_whole(item, grads, divisor):
+        return
     for slot in group.trainable_slots:
         if slot.hi == slot.lo:
             continue  # nothing of it here
@@ -287,6 +293,37 @@ def _accumulate_on_device(item: Packed, grads: torch.Tensor) -> None:
             shard_param.grad.add_(piece)
         else:  # piece / divisor is exact (a power of two), so the sum rounds as the divided one would
             shard_param.grad.add_(piece, alpha=1.0 / divisor)
+
+
+def _accumulate_whole(item: Packed, grads: torch.Tensor, divisor: int) -> bool:
+    """[Note: the gradient shard in one pass]
+    Per parameter, accumulating the reduced slice is a kernel (and a few Python calls) for each
+    parameter's piece: on a GPU the launches are the cost, on tiny layers the calls are. In the two
+    common cases the pieces are the whole gradient shard: every shard ``.grad`` is None (the optimizer's
+    ``zero_grad`` ran), so the slice is written into the gradient shard at once and each ``.grad`` becomes
+    its view of it; or every ``.grad`` is still that view (accumulating micro-batches), so the slice is
+    added at once. Elements of frozen parameters, of parameters without a gradient and the padding are
+    zeros in ``grads`` (see ``pack_gradients``): writing or adding them changes no gradient. Anything
+    else (a ``.grad`` replaced by the user, one restored to None for a parameter no rank used) goes
+    parameter by parameter. False when it did not apply."""
+    group = item.group
+    slots, views = group.local_trainable_slots, group.grad_views
+    if not slots or group.grad_shard is None:
+        return False
+    current = [slot.shard_param.grad for slot in slots]
+    if all(grad is None for grad in current):
+        if divisor == 1:
+            group.grad_shard.copy_(grads)
+        else:
+            torch.div(grads, divisor, out=group.grad_shard)
+        for slot, view in zip(slots, views):
+            slot.shard_param.grad = view
+        item.created.extend(slots)
+        return True
+    if all(grad is view for grad, view in zip(current, views)):
+        group.grad_shard.add_(grads, alpha=1.0 / divisor)  # exact for a power-of-two divisor, as below
+        return True
+    return False
 
 
 def restore_unused(reduced: list[Packed], comm: Communicator) -> None:

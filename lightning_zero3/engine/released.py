@@ -20,7 +20,7 @@ parameter itself. Nothing is ever saved or loaded from it silently; full weights
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ContextManager, Iterable
 
 import torch
 from torch import nn
@@ -141,11 +141,22 @@ def _flat(args: tuple, kwargs: Any) -> list:
     return out
 
 
-def mark_released(param: nn.Parameter, original_class: type) -> None:
-    if param.__class__ is original_class:
-        param.__class__ = ReleasedParameter
+def mark_released(params: Iterable[tuple[nn.Parameter, type]]) -> None:
+    """Switch every ``(parameter, original class)`` of a unit to ``ReleasedParameter``, in one pass."""
+    for param, original_class in params:
+        if param.__class__ is original_class:
+            param.__class__ = ReleasedParameter
 
 
-def mark_gathered(param: nn.Parameter, original_class: type) -> None:
-    if param.__class__ is ReleasedParameter:
-        param.__class__ = original_class
+def mark_gathered(params: Iterable[tuple[nn.Parameter, type]]) -> None:
+    """Give every ``(parameter, original class)`` of a unit its class back, in one pass."""
+    for param, original_class in params:
+        if param.__class__ is ReleasedParameter:
+            param.__class__ = original_class
+
+
+def engine_access() -> ContextManager:
+    """The engine's own reads and writes of released parameters' ``.grad`` (packing a unit's gradients,
+    dropping them), in bulk: without it each one is a Python ``__torch_function__`` call that only lets
+    metadata through (measured: 3.8 ms per step on 33 units of tiny layers, most of zero3's hook work)."""
+    return torch._C.DisableTorchFunctionSubclass()

@@ -190,12 +190,17 @@ class Schedule:
         return list(dict.fromkeys(chosen))[:count]
 
     def _window(self, trace: list["UnitRuntime"], start: int, starting: Optional["UnitRuntime"]) -> list["UnitRuntime"]:
-        live = sum(rt.group.full.numel() for rt in self.units if rt.group.gathered or rt.group.pending is not None)
         # Gathers in flight once this start is over. Gathers agreed on ahead are issued at the next start
         # (see [Note: checks run a unit ahead] in agreement.py), when the unit starting now is no longer
         # in flight: it is not counted then, so the same number of gathers is issued ahead of need.
         issued_next = starting if self.check.checks_ahead else None
-        inflight = sum(1 for rt in self.units if rt.group.pending is not None and rt is not issued_next)
+        live = inflight = 0  # elements gathered or on their way; gathers in flight (one pass: every start asks)
+        for rt in self.units:
+            if rt.group.pending is not None:
+                live += rt.group.full.numel()
+                inflight += rt is not issued_next
+            elif rt.group.gathered:
+                live += rt.group.full.numel()
         chosen, budget = [], self.prefetch_numel
         for unit in trace[start:]:
             if unit.group.gathered or unit.group.pending is not None or unit in chosen:

@@ -40,7 +40,7 @@ from .memory import (
     releasable_buffer,
     release,
 )
-from .released import mark_gathered, mark_released
+from .released import engine_access, mark_gathered, mark_released
 from .sources import TensorValue
 
 if TYPE_CHECKING:
@@ -182,6 +182,7 @@ class FlatGroup:
             p._zero3_name = name_
             self.slots.append(ParamSlot(name_, p, p.__class__, offset, p.numel(), shard_param, lo, hi))
             offset += p.numel()
+        self._set_slot_views()
 
         self.gathered = True
         self.gathers = 0  # all-gathers issued into ``full`` (for tests and the residency profile)
@@ -281,8 +282,7 @@ class FlatGroup:
         self.pending.wait()
         self.pending = None
         self._after_gather()
-        for slot in self.slots:
-            mark_gathered(slot.param, slot.original_class)
+        mark_gathered(self._classes)
         self.gathered = True
 
     def _agree(self, groups: Sequence["FlatGroup"]) -> None:
@@ -375,8 +375,7 @@ class FlatGroup:
             return
         if self.secondary is not None and self.secondary.wanted:
             self.secondary.keep(self.full)  # [Note: secondary shards] in secondary.py
-        for slot in self.slots:
-            mark_released(slot.param, slot.original_class)
+        mark_released(self._classes)
         self.ledger.remove(self._full_category, self._nbytes(self.full))
         release(self.full, self.ledger)  # parked for the next gather: see [Note: released pages are parked]
         self.gathered = False
@@ -410,8 +409,8 @@ class FlatGroup:
         """Turn the parameters back into ordinary, independent full tensors in the master dtype (at teardown)."""
         self.drop_secondary()
         with self.gathered_master() as master:
+            mark_gathered(self._classes)
             for slot in self.slots:
-                mark_gathered(slot.param, slot.original_class)
                 slot.param.data = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
         if self.gathered:
             release(self.full)
@@ -422,6 +421,7 @@ class FlatGroup:
             self.ledger.remove(GRAD_SHARDS, self._nbytes(self.grad_shard))
         self.gathered = False
         self.slots = []
+        self._set_slot_views()
 
     # -- [Note: gradients land in a pooled buffer] --------------------------------------------------
 
@@ -443,9 +443,12 @@ class FlatGroup:
         if self.landing is not None or not self.trainable:
             return
         self.landing = self.pool.take(self.full.numel(), self.compute_dtype, self.full.device, zero=True)
-        for slot in self.trainable_slots:
-            if slot.param.grad is None and slot.param.dtype == self.landing.dtype:
-                slot.param.grad = self.landing[slot.offset : slot.offset + slot.numel].view(slot.param.shape)
+        # every parameter's view in one call (the slots lie side by side from offset 0)
+        views = torch._utils._unflatten_dense_tensors(self.landing[: self.numel], self.params)
+        for slot, view in zip(self.slots, views):
+            param = slot.param
+            if param.requires_grad and param.grad is None and param.dtype == view.dtype:
+                param.grad = view
 
     def note_arrival(self, param: nn.Parameter) -> None:
         self.arrived.add(id(param))
@@ -456,8 +459,9 @@ class FlatGroup:
 
     def gradients_packed(self) -> None:
         """The gradients were copied out: drop them and give the landing buffer back."""
-        for slot in self.trainable_slots:
-            slot.param.grad = None
+        with engine_access():  # the unit is released by now
+            for slot in self.trainable_slots:
+                slot.param.grad = None
         if self.landing is not None:
             self.pool.give(self.landing)
             self.landing = None
@@ -469,9 +473,17 @@ class FlatGroup:
     def params(self) -> list[nn.Parameter]:
         return [slot.param for slot in self.slots]
 
-    @property
-    def trainable_slots(self) -> list[ParamSlot]:
-        return [slot for slot in self.slots if slot.param.requires_grad]
+    def _set_slot_views(self) -> None:
+        """What the hot path reads per unit instead of asking each parameter again: the trainable slots
+        (``requires_grad`` is fixed once training starts, see README "Known differences from DDP"; asking
+        a released parameter is a Python ``__torch_function__`` call) and the class of each parameter."""
+        self.trainable_slots: list[ParamSlot] = [slot for slot in self.slots if slot.param.requires_grad]
+        self._classes = [(slot.param, slot.original_class) for slot in self.slots]
+        # the trainable parameters with a piece on this rank, and each piece's view of the gradient shard:
+        # see [Note: the gradient shard in one pass] in grads.py
+        self.local_trainable_slots = [slot for slot in self.trainable_slots if slot.hi > slot.lo]
+        shard = self.grad_shard
+        self.grad_views = [] if shard is None else [shard[s.lo : s.hi] for s in self.local_trainable_slots]
 
 
 def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bool = True) -> None:
