@@ -445,9 +445,9 @@ class FlatGroup:
         self.landing = self.pool.take(self.full.numel(), self.compute_dtype, self.full.device, zero=True)
         # every parameter's view in one call (the slots lie side by side from offset 0)
         views = torch._utils._unflatten_dense_tensors(self.landing[: self.numel], self.params)
-        for slot, view in zip(self.slots, views):
-            param = slot.param
-            if param.requires_grad and param.grad is None and param.dtype == view.dtype:
+        for index in self._trainable_index:
+            param, view = self.slots[index].param, views[index]
+            if param.grad is None and param.dtype == view.dtype:
                 param.grad = view
 
     def note_arrival(self, param: nn.Parameter) -> None:
@@ -477,7 +477,8 @@ class FlatGroup:
         """What the hot path reads per unit instead of asking each parameter again: the trainable slots
         (``requires_grad`` is fixed once training starts, see README "Known differences from DDP"; asking
         a released parameter is a Python ``__torch_function__`` call) and the class of each parameter."""
-        self.trainable_slots: list[ParamSlot] = [slot for slot in self.slots if slot.param.requires_grad]
+        self._trainable_index = [i for i, slot in enumerate(self.slots) if slot.param.requires_grad]
+        self.trainable_slots: list[ParamSlot] = [self.slots[i] for i in self._trainable_index]
         self._classes = [(slot.param, slot.original_class) for slot in self.slots]
         # the trainable parameters with a piece on this rank, and each piece's view of the gradient shard:
         # see [Note: the gradient shard in one pass] in grads.py
