@@ -322,6 +322,31 @@ def test_a_parameter_used_on_some_ranks_gets_ddps_mean_and_one_used_nowhere_keep
         assert result["sent_landing"]  # the buffer the gradients landed in is the one sent
 
 
+def _unfreeze_case(rank: int, world: int) -> str:
+    from lightning_zero3.engine.hooks import RequiresGradChangedError
+
+    model = GPT(CFG)
+    model.blocks[0].requires_grad_(False)
+    engine = Zero3Engine(model, Zero3Config(persistence_threshold=0))
+    optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    _loss(model, *_batch(rank, world, 0)).backward()  # the set it was built with: fine
+    optimizer.step()
+    optimizer.zero_grad()
+    model.blocks[0].requires_grad_(True)  # as BackboneFinetuning unfreezes a backbone
+    try:
+        _loss(model, *_batch(rank, world, 1)).backward()
+    except RequiresGradChangedError as error:
+        return str(error)
+    finally:
+        engine.close()
+    return "no error"
+
+
+def test_unfreezing_after_sharding_fails_naming_the_parameters_instead_of_training_without_them():
+    for message in run_ranks(_unfreeze_case, 2):
+        assert "blocks.0." in message and "requires_grad" in message and "BaseFinetuning" in message
+
+
 def _bad_optimizer_case(rank: int, world: int) -> str:
     model = GPT(CFG)
     engine = Zero3Engine(model, Zero3Config())

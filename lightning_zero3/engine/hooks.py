@@ -68,6 +68,10 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class RequiresGradChangedError(RuntimeError):
+    """A parameter was frozen or unfrozen after zero3 sharded the model."""
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward calls ``fire(token)`` (see [Note: post-backward signal])."""
 
@@ -313,6 +317,22 @@ class HookManager:
                 runtime.maybe_release()
             self._backward_running = False
         self.schedule.end_backward()  # compares recorded traces across ranks (may raise)
+        _check_trainable_set(self.runtimes)
+
+
+def _check_trainable_set(runtimes: list[UnitRuntime]) -> None:
+    """[Note: the trainable set is fixed at setup] in shard.py."""
+    changed = [name for runtime in runtimes for name in runtime.group.requires_grad_changed()]
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise RequiresGradChangedError(
+            f"zero3: `requires_grad` of {shown} changed after zero3 sharded the model; the parameters that "
+            "train are fixed when it does (they decide the units, the gradient shards and the optimizer's "
+            "shards). Freeze or unfreeze before training starts (in `configure_model`, or a callback's "
+            "`setup` such as `BaseFinetuning.freeze_before_training`); to train another set, start a new "
+            "run from a checkpoint (unfreezing layers during a fit, as `BackboneFinetuning` does, is not "
+            "supported)."
+        )
 
 
 def _eager(hook: Callable) -> Callable:

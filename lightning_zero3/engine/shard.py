@@ -479,12 +479,27 @@ class FlatGroup:
         a released parameter is a Python ``__torch_function__`` call) and the class of each parameter."""
         self._trainable_index = [i for i, slot in enumerate(self.slots) if slot.param.requires_grad]
         self.trainable_slots: list[ParamSlot] = [self.slots[i] for i in self._trainable_index]
+        self._trainable_set = frozenset(self._trainable_index)
         self._classes = [(slot.param, slot.original_class) for slot in self.slots]
         # the trainable parameters with a piece on this rank, and each piece's view of the gradient shard:
         # see [Note: the gradient shard in one pass] in grads.py
         self.local_trainable_slots = [slot for slot in self.trainable_slots if slot.hi > slot.lo]
         shard = self.grad_shard
         self.grad_views = [] if shard is None else [shard[s.lo : s.hi] for s in self.local_trainable_slots]
+
+    def requires_grad_changed(self) -> list[str]:
+        """The parameters whose ``requires_grad`` is no longer what this group was built with.
+
+        [Note: the trainable set is fixed at setup]
+        Which parameters train decides how a unit is laid out (rule 4 in units.py), which have a gradient
+        shard, which the optimizer steps and which hooks count gradients; all of it is built once. A
+        parameter unfrozen later would get an ordinary ``.grad`` that nothing reduces or steps (and that
+        nothing frees); one frozen later would still be stepped with a zero gradient. So the engine asks
+        after every backward (one attribute per parameter) and fails naming them instead of training on
+        silently without them."""
+        with engine_access():  # released parameters: plain attribute reads
+            return [slot.name for index, slot in enumerate(self.slots)
+                    if slot.param.requires_grad != (index in self._trainable_set)]  # fmt: skip
 
 
 def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bool = True) -> None:
