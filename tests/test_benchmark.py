@@ -110,3 +110,14 @@ def test_profile_step_charges_the_step_to_zero3s_parts():
     assert all(figures["seconds"][part] > 0 for part in ("hooks", "gather / release", "reductions", "not zero3"))
     assert sum(figures["seconds"].values()) <= figures["step_seconds"] * 1.05  # own times within the step
     assert figures["calls"]["hooks"] > 0 and len(figures["top"]) == 3
+
+
+def test_collective_cost_times_every_way_zero3_and_ddp_move_a_unit():
+    cmd = [sys.executable, str(ROOT / "examples" / "collective_cost.py"), "--numel", "65536", "--repeats", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in done.stdout.splitlines() if line.count("|") == 2}
+    for way in ("all_gather", "reduce_scatter", "all_reduce + slice", "all_reduce"):
+        wall, cpu = (float(x) for x in rows[way])
+        assert wall > 0 and cpu >= 0, way
+    assert "per unit of 65536 fp32 elements and step, 2 ranks: zero3" in done.stdout
