@@ -30,12 +30,19 @@ GPU 0 (Lightning ``Trainer(devices=1)``, so the process group is NCCL with one r
   exposed. Then the start-up peak of that size.
 - ``monitors``: ``MemoryMonitor`` and ``CommMonitor`` on under NCCL, gathering on the GPU; the CUDA
   allocator figures and the communication figures they logged last (their ``last_logged``).
-- ``benchmark <strategy>``: ``examples/benchmark.py`` on this GPU under zero3, DDP and FSDP2
-  (``ModelParallelStrategy``), ``bf16-mixed``: step time, tokens/s and model FLOPs utilization,
+- ``benchmark <strategy>``: ``examples/benchmark.py`` on this GPU under zero3, DDP, FSDP2
+  (``ModelParallelStrategy``) and plain single-device Lightning (``single``), ``bf16-mixed``: step time,
+  tokens/s and model FLOPs utilization,
   MFU = 6 x parameters x tokens/s / peak bf16 FLOP/s (attention's own FLOPs left out, as in the common
   formula, so MFU reads slightly low). The peak comes from ``PEAK_FLOPS`` (NVIDIA's datasheets, dense,
   keyed by device name) or, for a device not listed there, from a timed large bf16 matmul (a lower
-  bound of the peak, so MFU against it reads high); the table says which.
+  bound of the peak, so MFU against it reads high); the table says which. ``target benchmark``: zero3's
+  step against single's, with the project's bound (1.25x).
+- ``1B <strategy>`` and ``1B compiled <strategy>``: a GPT of about 1B parameters (20 x 2048, 4096 tokens a
+  step), bf16-mixed, at world size 1: zero3, single and FSDP2, eager and then with every block compiled in
+  place (``--compile``); ratios to single's step in the same mode, and ``target 1B``: within 1.10x.
+
+``--parts`` runs a subset (``checks``, ``benchmark``, ``big``), for a device session too short for all.
 
 ``--accelerator cpu`` runs the same checks on the CPU: a dry run of this script's own machinery (the
 CUDA-only figures and the NCCL check are then reported missing or skipped).
@@ -44,6 +51,7 @@ CUDA-only figures and the NCCL check are then reported missing or skipped).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -88,6 +96,17 @@ BENCHMARK = {"cuda": ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "-
                       "--steps", "30", "--warmup", "10", "--runs", "2"],
              "cpu": ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
                      "--steps", "5", "--warmup", "2", "--runs", "1"]}  # fmt: skip
+BENCHMARK_STRATEGIES = ("zero3", "ddp", "fsdp2", "single")
+#: the world-size-1 comparison: a GPT of about 1B parameters (20 x 2048, 1.07B with its 32000-token
+#: embedding), 4096 tokens a step, eager and with every block compiled
+BIG = {"cuda": ["--n-layer", "20", "--n-embd", "2048", "--n-head", "16", "--block-size", "1024", "--batch-size", "4",
+                "--vocab-size", "32000", "--steps", "15", "--warmup", "5", "--runs", "1"],
+       "cpu": ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+               "--steps", "3", "--warmup", "1", "--runs", "1"]}  # fmt: skip
+BIG_STRATEGIES = ("zero3", "single", "fsdp2")
+#: zero3's step at world size 1 against plain single-device Lightning's, at most (the project's targets)
+TARGET_X_SINGLE = {"benchmark": 1.25, "1B": 1.10}
+PARTS = ("checks", "benchmark", "big")
 
 
 @dataclass
@@ -209,19 +228,34 @@ def table_peak(device_name: str, dtype: torch.dtype) -> Optional[float]:
     return None
 
 
-def benchmark_rows(summary: dict, params: int, peak: Optional[float]) -> list[Row]:
+def benchmark_rows(summary: dict, params: int, peak: Optional[float], strategies: tuple[str, ...] = ("zero3", "ddp", "fsdp2"),
+                   label: str = "benchmark", reference: str = "ddp") -> list[Row]:  # fmt: skip
+    """One row per strategy: step time, its ratio to ``reference``'s, tokens/s and MFU (FAIL: no result)."""
     rows = []
-    for strategy in ("zero3", "ddp", "fsdp2"):
+    base = summary["rows"].get(reference, {}).get("step_time_s", math.nan)
+    name = "DDP" if reference == "ddp" else reference
+    for strategy in strategies:
         row = summary["rows"].get(strategy)
         if row is None:
             why = summary["skipped"].get(strategy, "no result")
-            rows.append(Row(f"benchmark {strategy}", "FAIL", why.splitlines()[0][:200]))
+            rows.append(Row(f"{label} {strategy}", "FAIL", why.splitlines()[0][:200]))
             continue
         utilization = f"MFU {mfu(params, row['tokens_per_s'], peak):.1%}" if peak else "MFU n/a (no peak figure)"
-        rows.append(Row(f"benchmark {strategy}", "INFO",
-                        f"step {row['step_time_s'] * 1e3:.1f} ms ({row.get('step_time_x_ddp', math.nan):.2f}x DDP), "
+        rows.append(Row(f"{label} {strategy}", "INFO",
+                        f"step {row['step_time_s'] * 1e3:.1f} ms ({row['step_time_s'] / base:.2f}x {name}), "
                         f"{row['tokens_per_s']:,.0f} tokens/s, {utilization}"))  # fmt: skip
     return rows
+
+
+def target_row(summary: dict, label: str, bound: float) -> Row:
+    """zero3's step against plain single-device Lightning's, and whether it is within ``bound`` (a figure
+    to read, not a verdict on the code: INFO either way)."""
+    rows = summary["rows"]
+    if "zero3" not in rows or "single" not in rows:
+        return Row(f"target {label}", "INFO", "not measured (zero3 or single has no result)")
+    ratio = rows["zero3"]["step_time_s"] / rows["single"]["step_time_s"]
+    verdict = "met" if ratio <= bound else "missed"
+    return Row(f"target {label}", "INFO", f"zero3 {ratio:.2f}x single's step, target <= {bound:.2f}x: {verdict}")
 
 
 def format_table(rows: list[Row]) -> str:
@@ -250,10 +284,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     started = time.perf_counter()
     print(describe_machine(args.accelerator), flush=True)
+    parts = args.parts.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: launch(name, args.accelerator, Path(tmp)) for name in WORKERS}
-        rows = verdicts(runs)
-        rows += benchmark(args.accelerator, Path(tmp))
+        rows = []
+        if "checks" in parts:
+            rows += verdicts({name: launch(name, args.accelerator, Path(tmp)) for name in WORKERS})
+        if "benchmark" in parts:
+            rows += benchmark(args.accelerator, Path(tmp))
+        if "big" in parts:
+            rows += big_benchmark(args.accelerator, Path(tmp))
     print()
     print(format_table(rows))
     print(f"\n{time.perf_counter() - started:.0f} s")
@@ -266,6 +305,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--accelerator", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--json", type=Path)
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated, of {', '.join(PARTS)}: the correctness checks, the 85M benchmark, the "
+                        "~1B world-size-1 comparison (eager and compiled); default all")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -332,26 +374,54 @@ def verdicts(runs: dict[str, Any]) -> list[Row]:
 
 
 def benchmark(accelerator: str, tmp: Path) -> list[Row]:
+    """The 85M GPT under zero3, DDP, FSDP2 and plain single-device Lightning."""
+    summary, params, header = run_benchmark("benchmark", BENCHMARK[accelerator], BENCHMARK_STRATEGIES, accelerator, tmp)
+    if summary is None:
+        return [header]
+    rows = benchmark_rows(summary, params, peak_flops(accelerator)[0], BENCHMARK_STRATEGIES)
+    return [header, *rows, target_row(summary, "benchmark", TARGET_X_SINGLE["benchmark"])]
+
+
+def big_benchmark(accelerator: str, tmp: Path) -> list[Row]:
+    """The ~1B GPT at world size 1: zero3, plain single-device Lightning and FSDP2, eager, then with every
+    block compiled in place; ratios to single's step of the same mode."""
+    rows = []
+    peak = peak_flops(accelerator)[0]
+    for label, extra in (("1B", []), ("1B compiled", ["--compile"])):
+        summary, params, header = run_benchmark(label, BIG[accelerator] + extra, BIG_STRATEGIES, accelerator, tmp)
+        rows.append(header)
+        if summary is not None:
+            rows += benchmark_rows(summary, params, peak, BIG_STRATEGIES, label, reference="single")
+            rows.append(target_row(summary, label, TARGET_X_SINGLE["1B"]))
+    return rows
+
+
+def run_benchmark(label: str, options: list[str], strategies: tuple[str, ...], accelerator: str,
+                  tmp: Path) -> tuple[Optional[dict], int, Row]:  # fmt: skip
+    """``examples/benchmark.py`` at one device in bf16-mixed: (its summary or None, the model's parameter
+    count, a header row saying what ran or why it failed)."""
     from gpt import GPT, GPTConfig, count_parameters
 
-    out = tmp / "benchmark.json"
+    out = tmp / f"{label.replace(' ', '_')}.json"
     cmd = [sys.executable, str(HERE / "benchmark.py"), "--accelerator", accelerator, "--devices", "1",
-           "--precision", "bf16-mixed", "--strategies", "zero3,ddp,fsdp2", "--json", str(out), *BENCHMARK[accelerator]]  # fmt: skip
-    print("running the benchmark ...", flush=True)
+           "--precision", "bf16-mixed", "--strategies", ",".join(strategies), "--json", str(out), *options]  # fmt: skip
+    print(f"running {label} ...", flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
     if done.returncode != 0 or not out.exists():
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return [Row("benchmark", "FAIL", f"exit {done.returncode}: {' / '.join(tail)[-300:]}")]
+        return None, 0, Row(label, "FAIL", f"exit {done.returncode}: {' / '.join(tail)[-300:]}")
     summary = json.loads(out.read_text())
     cfg = summary["config"]
     with torch.device("meta"):
         params = count_parameters(GPT(GPTConfig(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"],
                                                 n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])))  # fmt: skip
-    peak, source = peak_flops(accelerator)
-    shape = f"GPT {params / 1e6:.1f}M parameters, {cfg['batch_size'] * cfg['block_size']} tokens a step, bf16-mixed"
-    return [Row("benchmark", "INFO", f"{shape}; peak {source}"), *benchmark_rows(summary, params, peak)]
+    source = peak_flops(accelerator)[1]
+    compiled = ", every block compiled" if cfg.get("compile") else ""
+    shape = f"GPT {params / 1e6:.1f}M parameters, {cfg['batch_size'] * cfg['block_size']} tokens a step, bf16-mixed{compiled}"
+    return summary, params, Row(label, "INFO", f"{shape}; peak {source}")
 
 
+@functools.lru_cache(maxsize=None)  # timed once per run where the datasheet has no figure
 def peak_flops(accelerator: str) -> tuple[Optional[float], str]:
     if accelerator != "cuda":
         return None, "n/a on the CPU"

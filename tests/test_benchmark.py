@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_benchmark_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--strategies", "zero3,ddp,fsdp2,deepspeed,zero3_fabric"]
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--strategies", "zero3,ddp,fsdp2,deepspeed,zero3_fabric,single"]
     cmd += ["--runs", "1", "--steps", "5", "--warmup", "2", "--n-layer", "2", "--n-embd", "64", "--n-head", "2"]
     cmd += ["--block-size", "32", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -25,6 +25,7 @@ def test_benchmark_table_and_json(tmp_path):
         assert "not installed" in summary["skipped"]["deepspeed"]
     else:
         assert "deepspeed" in rows
+    assert "one device" in summary["skipped"]["single"]  # plain Lightning is the reference at --devices 1 only
     for name, row in rows.items():
         assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 2**20
         assert row["model_state_bytes"] > 0
@@ -121,3 +122,16 @@ def test_collective_cost_times_every_way_zero3_and_ddp_move_a_unit():
         wall, cpu = (float(x) for x in rows[way])
         assert wall > 0 and cpu >= 0, way
     assert "per unit of 65536 fp32 elements and step, 2 ranks: zero3" in done.stdout
+
+
+def test_single_device_row_is_plain_lightning_beside_zero3_at_world_size_one(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--devices", "1", "--strategies", "zero3,single"]
+    cmd += ["--runs", "1", "--steps", "4", "--warmup", "1", "--n-layer", "2", "--n-embd", "64", "--n-head", "2"]
+    cmd += ["--block-size", "32", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    single = rows["single"]
+    assert single["step_time_s"] > 0 and single["model_state_bytes"] > 0 and single["peak_rss_bytes"] > 2**20
+    assert len(single["losses"]) == 4 and all(0 < loss < 10 for loss in single["losses"])

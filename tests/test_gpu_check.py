@@ -128,3 +128,16 @@ def test_benchmark_rows_table_and_exit_status():
     assert table[2] == "parity fp32     | PASS   | equal"
     assert len({line.index("|") for line in table if "|" in line}) == 1  # columns line up
     assert gpu_check.exit_status(rows) == 1 and gpu_check.exit_status(rows[:2]) == 0
+
+
+def test_world_size_one_rows_compare_with_plain_single_device_lightning():
+    summary = {"rows": {"zero3": {"step_time_s": 0.105, "tokens_per_s": 39000.0},
+                        "single": {"step_time_s": 0.100, "tokens_per_s": 41000.0}},
+               "skipped": {"fsdp2": "failed (exit 1): out of memory"}}  # fmt: skip
+    rows = gpu_check.benchmark_rows(summary, 1_000_000_000, 989e12, gpu_check.BIG_STRATEGIES, "1B", reference="single")
+    assert rows[0] == Row("1B zero3", "INFO", "step 105.0 ms (1.05x single), 39,000 tokens/s, MFU 23.7%")
+    assert rows[1].detail.startswith("step 100.0 ms (1.00x single)") and rows[2].status == "FAIL"
+    assert gpu_check.target_row(summary, "1B", 1.10) == Row("target 1B", "INFO", "zero3 1.05x single's step, target <= 1.10x: met")
+    slow = {**summary, "rows": {**summary["rows"], "zero3": {"step_time_s": 0.12, "tokens_per_s": 1.0}}}
+    assert gpu_check.target_row(slow, "1B", 1.10).detail.endswith("target <= 1.10x: missed")
+    assert "not measured" in gpu_check.target_row({"rows": {"zero3": {}}}, "1B", 1.10).detail
