@@ -258,3 +258,33 @@ def test_utilization_falls_with_slower_collectives_and_is_logged_above_one_when_
     assert [name for name, messages in warned.items() if messages] == [first_above]
     message = warned[first_above]
     assert len(message) == 1 and "the peak measurement is off" in message[0] and "peak_repeats" in message[0]
+
+
+def _pair_case(rank: int, world: int) -> dict:
+    comm = Communicator()
+    comm.open_side_groups()  # the reduce-scatters on their own group, as in training
+    numel = 2 * 1000 + 2 * 24  # even, as a padded flat group is
+    torch.manual_seed(rank)
+    fulls = [torch.randn(numel) for _ in range(3)]
+    comm.tune([(numel, torch.float32)], torch.device("cpu"))
+    offered = comm._reduce_scatter_ways()
+    key = ("reduce_scatter", numel * 4)
+    results = {}
+    for way in ("reduce_scatter_single", "exchange_pair"):
+        comm.choice[key] = way
+        outputs = [torch.empty(numel // world) for _ in fulls]
+        # three in flight at once, as the reduction queue may have them: each must find its own message
+        pending = [comm.reduce_scatter(out, full.clone(), async_op=True) for out, full in zip(outputs, fulls)]
+        for p in reversed(pending):
+            p.wait()
+        results[way] = outputs
+    same = all(torch.equal(a, b) for a, b in zip(results["reduce_scatter_single"], results["exchange_pair"]))
+    counted = comm.stats["reduce_scatter"].count
+    return {"offered": offered, "same": same, "counted": counted}
+
+
+def test_two_ranks_may_reduce_scatter_by_swapping_halves_with_the_same_bits():
+    for result in run_ranks(_pair_case, 2):
+        assert "exchange_pair" in result["offered"]  # tune times it beside the other ways
+        assert result["same"]  # bitwise a reduce-scatter's sums, three swaps in flight at once
+        assert result["counted"] == 6  # counted as reduce-scatters (tuning's own calls are not)
