@@ -118,7 +118,7 @@ def test_collective_cost_times_every_way_zero3_and_ddp_move_a_unit():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in done.stdout.splitlines() if line.count("|") == 2}
-    for way in ("all_gather", "reduce_scatter", "all_reduce + slice", "all_reduce"):
+    for way in ("all_gather", "swap shards", "reduce_scatter", "all_reduce + slice", "swap halves", "all_reduce"):
         wall, cpu = (float(x) for x in rows[way])
         assert wall > 0 and cpu >= 0, way
     assert "per unit of 65536 fp32 elements and step, 2 ranks: zero3" in done.stdout

@@ -267,24 +267,38 @@ def _pair_case(rank: int, world: int) -> dict:
     torch.manual_seed(rank)
     fulls = [torch.randn(numel) for _ in range(3)]
     comm.tune([(numel, torch.float32)], torch.device("cpu"))
-    offered = comm._reduce_scatter_ways()
-    key = ("reduce_scatter", numel * 4)
+    offered = comm._pair_ways()
     results = {}
-    for way in ("reduce_scatter_single", "exchange_pair"):
-        comm.choice[key] = way
+    for way in ("single", "exchange_pair"):
+        comm.choice[("reduce_scatter", numel * 4)] = "reduce_scatter_single" if way == "single" else way
+        comm.choice[("all_gather", numel * 4)] = "all_gather_single" if way == "single" else way
         outputs = [torch.empty(numel // world) for _ in fulls]
-        # three in flight at once, as the reduction queue may have them: each must find its own message
-        pending = [comm.reduce_scatter(out, full.clone(), async_op=True) for out, full in zip(outputs, fulls)]
+        gathered = [torch.full((numel,), float("nan")) for _ in fulls]
+        # three of each in flight at once, as prefetch and the reduction queue may have them, the gathers
+        # and the reductions interleaved differently on the two ranks: each must find its own message
+        pending = []
+        for out, full, into in zip(outputs, fulls, gathered):
+            reduce = comm.reduce_scatter(out, full.clone(), async_op=True)
+            gather = comm.all_gather(into, full[rank * (numel // world) : (rank + 1) * (numel // world)], async_op=True)
+            pending += [reduce, gather] if rank == 0 else [gather, reduce]
         for p in reversed(pending):
             p.wait()
-        results[way] = outputs
-    same = all(torch.equal(a, b) for a, b in zip(results["reduce_scatter_single"], results["exchange_pair"]))
-    counted = comm.stats["reduce_scatter"].count
-    return {"offered": offered, "same": same, "counted": counted}
+        results[way] = (outputs, gathered)
+    same_sums = all(torch.equal(a, b) for a, b in zip(results["single"][0], results["exchange_pair"][0]))
+    same_gathers = all(torch.equal(a, b) for a, b in zip(results["single"][1], results["exchange_pair"][1]))
+    everyone = [torch.empty(numel) for _ in range(world)]
+    dist.all_gather(everyone, fulls[0])
+    halves = torch.cat([everyone[r][r * (numel // world) : (r + 1) * (numel // world)] for r in range(world)])
+    gathered_right = torch.equal(results["exchange_pair"][1][0], halves)  # each rank's own half, in rank order
+    counted = {kind: comm.stats[kind].count for kind in ("reduce_scatter", "all_gather")}
+    return {"offered": offered, "same_sums": same_sums, "same_gathers": same_gathers, "gathered_right": gathered_right,
+            "counted": counted}  # fmt: skip
 
 
-def test_two_ranks_may_reduce_scatter_by_swapping_halves_with_the_same_bits():
+def test_two_ranks_may_swap_halves_and_shards_with_the_same_bits():
     for result in run_ranks(_pair_case, 2):
         assert "exchange_pair" in result["offered"]  # tune times it beside the other ways
-        assert result["same"]  # bitwise a reduce-scatter's sums, three swaps in flight at once
-        assert result["counted"] == 6  # counted as reduce-scatters (tuning's own calls are not)
+        assert result["same_sums"]  # bitwise a reduce-scatter's sums, three swaps in flight at once
+        assert result["same_gathers"] and result["gathered_right"]  # an all-gather's result
+        # counted as reduce-scatters and all-gathers (tuning's own calls are not)
+        assert result["counted"] == {"reduce_scatter": 6, "all_gather": 6}

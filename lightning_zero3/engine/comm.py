@@ -14,9 +14,13 @@ same code path.
 [Note: measured collective choice]
 Backends differ per operation and message size (gloo's reduce-scatter, for one, can lose to an
 all-reduce of the same buffer). ``tune`` times each way of doing an all-gather and a reduce-scatter at
-the message sizes the engine will use: a warm-up call, then ``repeats`` calls, each timed on the host
-from the call to the end of the device's work (the whole cost a way adds, its finisher's copy
-included). Per rank it takes the median (one stray slow call on a shared machine does not decide), then
+the message sizes the engine will use: a warm-up call of each way, then ``repeats`` rounds that call
+every way once in turn (a slow spell of a shared machine then hits them all alike; timing one way's
+calls and then the next's let it decide: for a block of the benchmark GPT on 2 CPU ranks, 3 calls of
+each way one after the other picked gloo's all-gather over the swap of shards, at twice its CPU time, at
+1 start-up in 10, and 3 rounds in turn picked the swap at 10 in 10),
+each call timed on the host from the call to the end of the device's work (the whole cost a way adds,
+its finisher's copy included). Per rank it takes the median (one stray slow call on a shared machine does not decide), then
 the slowest rank's median (a collective is over when it is over everywhere, and a MAX all-reduce gives every rank the same
 figures, so all ranks pick the same way), and keeps the fastest way per (kind, size).
 
@@ -144,7 +148,8 @@ class Agreement:
 # The ways of doing each collective that ``tune`` chooses between.
 ALL_GATHER_WAYS = ("all_gather_single", "all_gather_list")
 REDUCE_SCATTER_WAYS = ("reduce_scatter_single", "all_reduce_slice")
-PAIR_REDUCE_SCATTER = "exchange_pair"  # a third way for groups of two ranks: [Note: a pair swaps halves]
+# a third way of each for groups of two ranks: [Note: a pair swaps halves], [Note: a pair swaps shards]
+PAIR_EXCHANGE = "exchange_pair"
 
 
 class _Works:
@@ -205,7 +210,8 @@ class Communicator:
         self._clock: Optional[Clock] = None  # chosen by the group's device on first use
         self._timings: deque[tuple[Span, list[CollectiveStats], int, int]] = deque()  # waited, not yet added
         self.choice: dict[tuple[str, int], str] = {}  # (kind, bytes of the full buffer) -> way, by ``tune``
-        self._pair_tag = 0  # the tag of the last swap of halves, counted alike on both ranks
+        # the tag of the last point-to-point swap per kind, counted alike on both ranks ([Note: swap tags])
+        self._pair_tags = {"all_gather": 0, "reduce_scatter": 0}
         self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
         self.checks = 0  # identity checks run by ``agree``
 
@@ -374,7 +380,9 @@ class Communicator:
             return self._finish(Pending(self, None, span, sinks, nbytes, None, inter_node), async_op)
         group = self.secondary_group if over == "secondary" else self.group
         way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0]) if over == "job" else ALL_GATHER_WAYS[0]
-        if way == "all_gather_list":
+        if way == PAIR_EXCHANGE:
+            work = self._swap_shards(output, shard, group)
+        elif way == "all_gather_list":
             work = dist.all_gather(list(output.chunk(n)), shard, group=group, async_op=True)
         else:
             work = dist.all_gather_single(output, shard, group=group, async_op=True)
@@ -391,8 +399,8 @@ class Communicator:
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
         group = self.reduce_group  # [Note: three process groups]
-        if way == PAIR_REDUCE_SCATTER:
-            work, finish = self._exchange_pair(output, full, group)
+        if way == PAIR_EXCHANGE:
+            work, finish = self._swap_halves(output, full, group)
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
         elif way == "all_reduce_slice":
             work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -404,7 +412,23 @@ class Communicator:
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
         return self._finish(Pending(self, work, span, sinks, nbytes, finish, inter_node), async_op)
 
-    def _exchange_pair(self, output: torch.Tensor, full: torch.Tensor, group: Any) -> tuple[_Works, Callable[[], None]]:
+    def _swap(self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any) -> _Works:
+        """Send ``send`` to the other rank of a two-rank ``group`` and receive its message into ``receive``.
+
+        [Note: swap tags]
+        Each message carries a tag that both ranks count alike per kind: all-gathers are issued in one
+        order on every rank (the recorded execution order, each agreed on first, see agreement.py), and so
+        are reduce-scatters ([Note: reduction order] in grads.py), so several swaps in flight cannot be
+        confused. The two kinds keep counters of their own: how a rank's gathers and reductions interleave
+        legitimately differs between ranks (see [Note: three process groups])."""
+        peer = dist.get_global_rank(group, 1 - self.rank) if group is not None else 1 - self.rank
+        tag = self._pair_tags[kind] = (self._pair_tags[kind] + 1) % (1 << 30)
+        return _Works(dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, peer, group, tag),
+            dist.P2POp(dist.irecv, receive, peer, group, tag),
+        ]))  # fmt: skip
+
+    def _swap_halves(self, output: torch.Tensor, full: torch.Tensor, group: Any) -> tuple[_Works, Callable[[], None]]:
         """The reduce-scatter of a group of two ranks as one swap: each sends the half of ``full`` that the
         other keeps and receives the other's copy of its own half straight into ``output``; the finisher
         adds its own half.
@@ -416,22 +440,31 @@ class Communicator:
         It moves what a reduce-scatter must: half of the buffer each way. The sum is the other rank's half
         plus this rank's, which is the same number as a reduce-scatter's rank-0-plus-rank-1 (floating-point
         addition of two terms does not depend on their order), so results are bitwise those of the other
-        ways. Messages carry a tag that both ranks count alike (their reduce-scatters are issued in one
-        order, see [Note: reduction order] in grads.py), so two swaps in flight cannot be confused."""
-        me = self.rank
-        peer = dist.get_global_rank(group, 1 - me) if group is not None else 1 - me
-        width = output.numel()
-        self._pair_tag = (self._pair_tag + 1) % (1 << 30)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, full[(1 - me) * width : (2 - me) * width], peer, group, self._pair_tag),
-            dist.P2POp(dist.irecv, output, peer, group, self._pair_tag),
-        ])  # fmt: skip
+        ways."""
+        me, width = self.rank, output.numel()
+        works = self._swap("reduce_scatter", full[(1 - me) * width : (2 - me) * width], output, group)
         mine = full[me * width : (me + 1) * width]
-        return _Works(works), lambda: output.add_(mine)
+        return works, lambda: output.add_(mine)
 
-    def _reduce_scatter_ways(self) -> tuple[str, ...]:
-        """The ways ``tune`` chooses between: two ranks may also swap halves ([Note: a pair swaps halves])."""
-        return REDUCE_SCATTER_WAYS + ((PAIR_REDUCE_SCATTER,) if self.world_size == 2 else ())
+    def _swap_shards(self, output: torch.Tensor, shard: torch.Tensor, group: Any) -> _Works:
+        """The all-gather of a group of two ranks as one swap: each sends its ``shard`` and receives the
+        other's straight into its place in ``output``, and copies its own into place meanwhile.
+
+        [Note: a pair swaps shards]
+        Gloo's all-gather of a 9.6 MB block on two CPU ranks took 4.1-4.5 ms of CPU per call (wall 6.0-7.9
+        ms); the swap with the copy of the own shard 2.9-3.4 ms (wall 4.1-5.1 ms), measured alone on the
+        2-core AMD host (family 26). A gather moves the same bytes either way (one shard each way); the
+        swap skips gloo's collective machinery (its worker thread and its staging of the output)."""
+        me, width = self.rank, shard.numel()
+        works = self._swap("all_gather", shard, output[(1 - me) * width : (2 - me) * width], group)
+        mine = output[me * width : (me + 1) * width]
+        if mine.data_ptr() != shard.data_ptr():
+            mine.copy_(shard)
+        return works
+
+    def _pair_ways(self) -> tuple[str, ...]:
+        """What two ranks may also do ([Note: a pair swaps halves], [Note: a pair swaps shards])."""
+        return (PAIR_EXCHANGE,) if self.world_size == 2 else ()
 
     @staticmethod
     def _finish(pending: Pending, async_op: bool) -> Optional[Pending]:
@@ -511,11 +544,14 @@ class Communicator:
             full = torch.zeros(numel, dtype=dtype, device=device)
             nbytes = full.numel() * full.element_size()
             shard = torch.zeros(numel // self.world_size, dtype=dtype, device=device)
-            for kind, ways in (("all_gather", ALL_GATHER_WAYS), ("reduce_scatter", self._reduce_scatter_ways())):
-                times = []
-                for way in ways:
-                    self.choice[(kind, nbytes)] = way
-                    times.append(statistics.median(self._time(kind, full, shard, 1, repeats, recorded=False)))
+            for kind, ways in (("all_gather", ALL_GATHER_WAYS), ("reduce_scatter", REDUCE_SCATTER_WAYS)):
+                ways += self._pair_ways()
+                samples: dict[str, list[float]] = {way: [] for way in ways}
+                for turn in range(repeats):  # the ways in turn, so that a slow spell hits them all alike
+                    for way in ways:
+                        self.choice[(kind, nbytes)] = way
+                        samples[way] += self._time(kind, full, shard, 1 if turn == 0 else 0, 1, recorded=False)
+                times = [statistics.median(samples[way]) for way in ways]
                 worst = torch.tensor(times, dtype=torch.float64, device=self.device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)  # every rank decides alike
                 self.choice[(kind, nbytes)] = ways[int(torch.argmin(worst))]
