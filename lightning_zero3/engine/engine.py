@@ -31,7 +31,7 @@ from .hooks import HookManager
 from .loading import load_sources
 from .materialize import InitFn, Materializer, has_meta_tensors
 from .memory import (
-    GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, map_large_temporaries,
+    GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, keep_heap_top, map_large_temporaries,
     optimizer_state_bytes, resident_bytes, return_free_heap,
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
@@ -103,6 +103,8 @@ class Zero3Engine:
         self.host_sized = self.device.type == "cpu" and self.config.offload_optimizer is not None
         if self.host_sized:
             map_large_temporaries()  # [Note: large temporaries are mapped] in memory.py
+        elif self.device.type == "cpu":
+            keep_heap_top()  # [Note: the heap keeps its top between steps] in memory.py
         # values a checkpoint will supply (load_pretrained on the meta model): see [Note: loading straight
         # into shards] in sources.py
         pending = sources.take(module)
