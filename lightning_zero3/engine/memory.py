@@ -391,17 +391,18 @@ def map_large_temporaries() -> None:
     _LIBC.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
 
 
-M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers in glibc's malloc.h
-HEAP_TRIM_CEILING = 64 << 20  # glibc's adaptive ceilings on 64-bit: mmap threshold 32 MiB, trim threshold twice it
-HEAP_MMAP_CEILING = 32 << 20
+M_TRIM_THRESHOLD, M_TOP_PAD = -1, -2  # mallopt's parameter numbers in glibc's malloc.h
+HEAP_MMAP_CEILING = 32 << 20  # glibc's adaptive ceilings on 64-bit: mmap threshold 32 MiB, trim threshold twice it
+HEAP_TRIM_CEILING = 64 << 20
+HEAP_TOP_PAD = 64 << 20  # what a trim of the heap's top leaves in place
 #: the environment variables by which a user sets glibc's heap policy; any of them leaves it to the user
 ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
 def keep_heap_top() -> None:
-    """Fix glibc's mmap and trim thresholds at the ceilings its own adaptation may reach (32 and 64 MiB),
-    unless the user set any of ``ALLOCATOR_VARIABLES``. Called by engines that train on the host without
-    offload.
+    """Fix glibc's mmap and trim thresholds at the ceilings its own adaptation may reach (32 and 64 MiB)
+    and keep 64 MiB in place when it trims, unless the user set any of ``ALLOCATOR_VARIABLES``. Called by
+    engines that train on the host without offload.
 
     [Note: the heap keeps its top between steps]
     glibc gives the free top of its heap back to the kernel whenever it grows past the trim threshold,
@@ -411,17 +412,24 @@ def keep_heap_top() -> None:
     unit's landing buffer and freed at once, so as backward frees the last layers' activations the top
     of the heap grows past the threshold, is trimmed, and the next allocations fault fresh pages in, each
     zeroed by the kernel: 1,800-9,400 page faults per step in the compute thread of a rank, 19-47 ms of
-    system time per step (DDP's compute thread: none), on the benchmark GPT on 2 CPU ranks. With the two
-    thresholds fixed at the ceilings (``mallopt``; setting either turns glibc's adaptation off, so both are
-    set) the same steps fault 3-85 pages and spend 16-26 ms in the kernel, and the whole-run peak
-    (``benchmark_memory.py --strategies zero3 --capacity-layers 0``, 2 runs) was 1659 / 1683 MiB per rank
-    against 1714 / 1814 MiB: temporaries reuse the pages they had. Engines that offload map their large
+    system time per step (DDP's compute thread: none), on the benchmark GPT on 2 CPU ranks. With both
+    thresholds fixed at the ceilings (``mallopt``; setting either turns glibc's adaptation off, so both
+    are set) the same steps faulted 3-85 pages, except in about one run in five, where the heap's layout
+    (allocation order differs from run to run) still left more than 64 MiB free at its top: 13,000-17,000
+    faults per forward (54 MB of the heap, found by tracing the faults' addresses), that run's step 5%
+    slower. A trim that leaves 64 MiB in place (``M_TOP_PAD``) covers that: 9 runs in 9 without it, for a
+    peak RSS of 948-1003 MiB per rank against 926-939 without the pad (DDP: 1094). A trim threshold of
+    1 TiB (never trim) also removed the faults, but peaked at 944-983 MiB: what backward allocates
+    outside the heap (the gradient shards' first pages) then stacks on the heap's whole high-water mark.
+    The whole-run peak of ``benchmark_memory.py --strategies zero3 --capacity-layers 0`` (2 runs): 1715 /
+    1661 MiB per rank with this policy, 1714 / 1814 with glibc's own. Engines that offload map their large
     temporaries instead and trim after every step ([Note: large temporaries are mapped]); on an
     accelerator the host heap is not where training's memory is, and it is left alone."""
     if _LIBC is None or not hasattr(_LIBC, "mallopt") or any(name in os.environ for name in ALLOCATOR_VARIABLES):
         return
     _LIBC.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_CEILING)
     _LIBC.mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_CEILING)
+    _LIBC.mallopt(M_TOP_PAD, HEAP_TOP_PAD)
 
 
 def return_free_heap() -> None:
