@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from processes import exit_note, read_result, run_worker  # noqa: E402
+from processes import close_process_group, exit_note, read_result, run_worker  # noqa: E402
 
 METHODS = ("zero3", "init_then_zero3", "fsdp2", "deepspeed")
 
@@ -282,11 +282,7 @@ def worker(args) -> None:
     dist.all_gather_object(everyone, figures)
     if dist.get_rank() == 0:
         Path(args.result).write_text(json.dumps({"ranks": everyone}))
-    # no rank leaves before the result is on disk: a peer rank that aborts at its exit (FSDP2's rank 1
-    # did in 2 of 13 quick runs, "terminate called without an active exception") makes torchrun stop
-    # rank 0, which then lost the row when it had not written the result yet
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------
