@@ -319,8 +319,9 @@ def warm_up(methods: list[str], args) -> None:
     """One unmeasured load per method (the small checkpoint, the same ranks), so the measured runs read
     the checkpoint and not the program's own files. A cold page of a mapped library (torch's, the
     transformers code the load runs first) reads up to the disk's read-ahead around it (8 MiB on the
-    development machine): on a fresh machine rank 0 of the quick zero3 row read 20.6 MB for a 3.4 MB
-    checkpoint, 18 MB of it while the model was built on the meta device, before any checkpoint byte."""
+    development machine): with those files dropped from the page cache first, as on a fresh machine,
+    rank 0 of the quick zero3 row read 20.6 MB for a 3.4 MB checkpoint, 14-18 MB of it while the model
+    was built on the meta device, before any checkpoint byte (CI's fresh machine: 6.9 MB, both ranks)."""
     small = small_shape(args)
     checkpoint = make_checkpoint(small)
     for method in methods:
