@@ -32,7 +32,7 @@ from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .engine import Communicator, Zero3Engine
 from .engine.shard import DtypePolicy
 from .engine.watchdog import Watchdog
-from .process_exit import close_process_groups_at_exit, note_failure
+from .engine.process_exit import close_process_groups_at_exit, note_failure
 
 # One watchdog per run; every rank starts the same number of them, so their store keys agree.
 _WATCHDOG_GENERATIONS = itertools.count()
@@ -117,7 +117,7 @@ class ProcessesMixin:
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self.config.timeout, device_id=device_id
         )
-        close_process_groups_at_exit()  # see [Note: process groups closed at exit] in process_exit.py
+        close_process_groups_at_exit()  # see [Note: process groups closed at exit] in engine/process_exit.py
         if self.root_device.type == "cpu":
             # needs the process group: see [Note: the CPU thread budget] in cpu_threads.py
             mine, everyone = gather_core_sets()

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_zero3 import close_process_groups
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -28,9 +30,10 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out: str, args: 
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out) / f"rank{rank}.pt")
-        dist.barrier()
+        if dist.is_initialized():  # ``fn`` may have closed the groups itself
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        close_process_groups()  # as zero3 does at exit: see [Note: process groups closed at exit]
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:

@@ -588,3 +588,32 @@ def test_a_unit_policy_that_selects_nothing_fails_naming_it_and_the_repeating_cl
         engine = Zero3Engine(GPT(CFG), Zero3Config(unit_modules=["Block", "Blok"], persistence_threshold=0,
                                                    tune_collectives=False))  # fmt: skip
     assert len(engine.unit_runtimes) == CFG.n_layer
+
+
+def _close_with_an_engine_alive(rank: int, world: int) -> dict:
+    from lightning_zero3 import close_process_groups
+    from lightning_zero3.engine.process_exit import gloo_threads
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32))
+    engine = Zero3Engine(model, Zero3Config(tune_collectives=False))
+    engine.me = engine  # held by a reference cycle, as a Trainer's strategy holds it until the exit
+    x = torch.randint(0, 64, (2, 8))
+    _loss(model, x, x).backward()
+    torch.distributed.barrier()
+    opened = gloo_threads()
+    torch.distributed.destroy_process_group()
+    destroyed = gloo_threads()
+    close_process_groups()
+    return {"open": opened, "destroyed": destroyed, "closed": gloo_threads()}
+
+
+def test_closing_the_process_groups_ends_gloos_threads_while_an_engine_still_holds_its_groups():
+    """[Note: process groups closed at exit]: ``destroy_process_group`` alone leaves the groups the engine
+    holds running their gloo threads into the interpreter's finalization (where such a thread's last
+    decref aborted the process, 1 exit in 40); ``close_process_groups`` ends every one of them."""
+    for threads in run_ranks(_close_with_an_engine_alive, 2):
+        assert threads["open"] >= 6, threads  # the job's group, the reduce-scatter and check groups: 2 each
+        assert threads["destroyed"] >= 4, threads  # the engine's own two groups live on
+        assert threads["closed"] == 0, threads
+

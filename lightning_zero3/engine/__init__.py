@@ -5,6 +5,7 @@ from .engine import NoTrainableParametersError, Zero3Engine, engine_of, gathered
 from .optim import OptimizerShardingError
 from .released import ParameterNotGatheredError
 from .agreement import ExecutionOrderError
+from .process_exit import close_process_groups
 
 __all__ = [
     "Communicator",
@@ -13,6 +14,7 @@ __all__ = [
     "OptimizerShardingError",
     "ParameterNotGatheredError",
     "Zero3Engine",
+    "close_process_groups",
     "engine_of",
     "gathered_parameters",
     "unshard",

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -169,6 +170,17 @@ class _Works:
         return self._works[-1].get_future()  # the receive: once it is done, the data is here
 
 
+# every Communicator of this process, for ``forget_process_groups`` (see [Note: process groups closed at exit])
+_COMMUNICATORS: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def forget_process_groups() -> None:
+    """Every Communicator of this process drops its handles on process groups (destroyed already, or about
+    to be), so that a group nothing else holds is freed, and its gloo threads joined, now."""
+    for comm in list(_COMMUNICATORS):
+        comm.forget_groups()
+
+
 class Communicator:
     """Collectives over one process group (the data-parallel group), with byte and time accounting."""
 
@@ -213,6 +225,7 @@ class Communicator:
         # the tag of the last point-to-point swap per kind, counted alike on both ranks ([Note: swap tags])
         self._pair_tags = {"all_gather": 0, "reduce_scatter": 0}
         self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
+        _COMMUNICATORS.add(self)
         self.checks = 0  # identity checks run by ``agree``
 
     def _sinks(self, kind: str, tensor: torch.Tensor, over: str = "job") -> list[CollectiveStats]:
@@ -354,6 +367,12 @@ class Communicator:
         self._side_groups = []
         self.reduce_group = self.check_group = self.group
         self.close_secondary_groups()
+
+    def forget_groups(self) -> None:
+        """Drop the handles on every process group (the job's included), as the process ends: after
+        ``torch.distributed.destroy_process_group`` no collective can run on them anyway."""
+        self.group = self.reduce_group = self.check_group = self.secondary_group = None
+        self._side_groups, self._secondary_groups = [], []
 
     def bus_factor(self, kind: str) -> float:
         return self.BUS_FACTOR[kind](self.world_size) if self.world_size > 1 else 1.0

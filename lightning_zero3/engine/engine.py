@@ -35,6 +35,7 @@ from .memory import (
     optimizer_state_bytes, resident_bytes, return_free_heap,
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
+from .process_exit import close_process_groups_at_exit
 from .optim import optimizer_params, shard_optimizer
 from .residency import Residency
 from .runtime import UnitRuntime
@@ -92,6 +93,8 @@ class Zero3Engine:
         self.config = config or Zero3Config()
         self.dtypes = dtypes
         self.comm = comm or Communicator()
+        if self.comm.distributed:
+            close_process_groups_at_exit()  # see [Note: process groups closed at exit] in process_exit.py
         self.ledger = ByteLedger()
         self.pool = BufferPool(self.ledger)  # staging buffers, see [Note: reused staging buffers] in memory.py
         first = next(module.parameters(), None)
