@@ -617,3 +617,35 @@ def test_closing_the_process_groups_ends_gloos_threads_while_an_engine_still_hol
         assert threads["destroyed"] >= 4, threads  # the engine's own two groups live on
         assert threads["closed"] == 0, threads
 
+
+def test_an_engine_lives_as_long_as_its_module_and_is_freed_with_it():
+    """``engine_of`` finds the engine for the module's whole life, without the caller keeping it; once the
+    module is dropped both are freed (a model per trial in one process must not keep every trial's
+    shards); a deep copy of the module is not the sharded module."""
+    import gc
+    import weakref
+
+    from lightning_zero3 import engine_of
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32))
+    Zero3Engine(model, Zero3Config(tune_collectives=False))
+    gc.collect()
+    engine = engine_of(model)
+    assert engine is not None and engine.module is model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine.shard_optimizer(optimizer)
+    x = torch.randint(0, 64, (2, 8))
+    losses = []
+    for _ in range(2):
+        loss = _loss(model, x, x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[1] < losses[0]  # it trains through the engine nobody but the module holds
+    assert engine_of(copy.deepcopy(model)) is None
+    freed = weakref.ref(engine)
+    del engine, model, optimizer
+    gc.collect()
+    assert freed() is None

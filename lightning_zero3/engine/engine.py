@@ -50,14 +50,33 @@ from .units import plan_units
 # attribute), so ``gathered_parameters(module)`` works from the module alone.
 _ENGINE_ATTR = "_zero3_engine"
 # The engine sharding a module, for as long as the module lives: a later Trainer (validate after fit,
-# a second fit) finds it there and runs on the same shards. Weak keys: no reference cycle through the
-# module's own attributes, so deep copies and pickles of the module do not drag the engine along.
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, Zero3Engine]" = weakref.WeakKeyDictionary()
+# a second fit) finds it there and runs on the same shards. The module holds it (under this attribute, in
+# an ``_EngineLink``), and the engine holds the module: a reference cycle, so both go together once the
+# user drops the module (the garbage collector frees them). A weak-keyed table of module -> engine, as
+# before, never let either go: its value, the engine, holds the key.
+_LINK_ATTR = "_zero3_engine_link"
+
+
+class _EngineLink:
+    """A sharded module's reference to its engine. Deep copies and pickles of the module hold None in its
+    place: the engine shards the module it was built on, never a copy."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: "Zero3Engine") -> None:
+        self.engine = engine
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (type(None), ())
 
 
 def engine_of(module: nn.Module) -> Optional["Zero3Engine"]:
     """The engine that shards ``module`` (None if it is not sharded)."""
-    return _ENGINES.get(module)
+    link = module.__dict__.get(_LINK_ATTR)
+    return link.engine if link is not None else None
 
 
 def owning_engine(module: nn.Module) -> Optional["Zero3Engine"]:
@@ -185,7 +204,7 @@ class Zero3Engine:
             module, self.root, self.unit_runtimes, self.persistent, self.schedule, queue,
             cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0, self.residency,
         )
-        _ENGINES[module] = self
+        module.__dict__[_LINK_ATTR] = _EngineLink(self)
         if self.offload is not None:
             self.offload.plan_host_pool([rt.group.shard_numel * rt.group.shard.element_size() for rt in self.runtimes])
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -577,7 +596,7 @@ class Zero3Engine:
         for slot in self.slots.values():
             if hasattr(slot.param, _ENGINE_ATTR):
                 delattr(slot.param, _ENGINE_ATTR)
-        _ENGINES.pop(self.module, None)
+        self.module.__dict__.pop(_LINK_ATTR, None)
         self.slots = {}
         self.optimizers = []
         self.release_offload()
