@@ -20,12 +20,18 @@ engine's ``Communicator`` holds the job's, the reduce-scatter and the check grou
 lived on into the finalization: the quick load benchmark's zero3 worker, which called
 ``destroy_process_group`` itself, still aborted in 1 of 40 runs, at the decref of the last barrier.
 
+Python threads of our own hit the same wall: a watchdog (``watchdog.py``) still beating when its rank
+finalizes, inside a store call while the store's host (rank 0) had already gone, aborted a Fabric script
+on CI (``tests/scripts/fabric_run.py``: nine Fabric strategies in one process, none torn down, since
+Fabric never calls ``teardown``).
+
 So once a zero3 engine or strategy has run in a process, an ``atexit`` handler (``close_process_groups``),
-while the interpreter is still whole: destroys every process group; lets every ``Communicator`` drop its
-handles and collects garbage, so that every group nobody else holds is freed now, its destructor joining
-its threads with the GIL released (their last decrefs run then); and if gloo threads are left (a group
-the user's own objects hold: a DDP module, a handle kept in a global), sleeps a moment with the GIL
-released, time for a thread waiting for it to finish its decref. Scripts that drive ``Zero3Engine``
+while the interpreter is still whole: stops every watchdog still running (oldest first; rank 0 waits, as
+in ``Watchdog.stop``, until its peers are done with the store it hosts); destroys every process group;
+lets every ``Communicator`` drop its handles and collects garbage, so that every group nobody else holds
+is freed now, its destructor joining its threads with the GIL released (their last decrefs run then);
+and if gloo threads are left (a group the user's own objects hold: a DDP module, a handle kept in a
+global), sleeps a moment with the GIL released, time for a thread waiting for it to finish its decref. Scripts that drive ``Zero3Engine``
 themselves may call ``lightning_zero3.close_process_groups()`` at their end to the same effect.
 
 After a failure in this process a collective may still be queued that no peer will join. Destroying a
@@ -44,6 +50,7 @@ import time
 import torch.distributed as dist
 
 from .comm import forget_process_groups
+from .watchdog import stop_running_watchdogs
 
 # how long the main thread lets go of the GIL for gloo threads that outlive ``close_process_groups``
 GIL_HANDOFF_SECONDS = 0.05
@@ -70,6 +77,7 @@ def close_process_groups() -> None:
     """Destroy torch.distributed's process groups (if still open) and let gloo's threads end before the
     interpreter does: see [Note: process groups closed at exit]. Local: call it when no collective is in
     flight on any rank (after the last one, or after a barrier)."""
+    stop_running_watchdogs()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     forget_process_groups()
@@ -96,5 +104,6 @@ def gloo_threads() -> int:
 
 def _close() -> None:
     if _failed and dist.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
+        stop_running_watchdogs()
         return
     close_process_groups()

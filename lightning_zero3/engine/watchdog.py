@@ -33,12 +33,23 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 EXIT_CODE = 1
+
+# the watchdogs of this process whose thread runs, for ``stop_running_watchdogs``
+_RUNNING: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
+
+
+def stop_running_watchdogs() -> None:
+    """Stop every watchdog of this process that is still running, oldest first, as the process ends: a
+    Fabric script never tears its strategies down (see [Note: process groups closed at exit])."""
+    for watchdog in sorted(_RUNNING, key=lambda w: w.generation):
+        watchdog.stop()
 
 
 def process_alive(pid: int) -> bool:
@@ -70,6 +81,7 @@ class Watchdog:
         seconds = timeout.total_seconds()
         self.interval = min(2.0, max(0.2, seconds / 20))
         self.stale_after = min(60.0, seconds / 2)
+        self.generation = generation
         self.prefix = f"zero3_watchdog/{generation}/"
         self._store = store.clone()  # a connection of its own: the thread never shares the main one
         self._store.set_timeout(timedelta(seconds=max(self.stale_after, 1.0)))
@@ -113,6 +125,7 @@ class Watchdog:
             pass
         self._thread = threading.Thread(target=self._run, name=f"zero3-watchdog-r{self.rank}", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
         return self
 
     def stop(self) -> None:
@@ -122,6 +135,7 @@ class Watchdog:
         disappearance for rank 0's death, and would miss the abort's cause."""
         if self._thread is None:
             return
+        _RUNNING.discard(self)
         self._stopping.set()
         self._thread.join(timeout=2 * self.interval + 1)
         self._thread = None

@@ -12,7 +12,11 @@ Cases (every one run under both strategies from the same weights, except where s
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -117,9 +121,22 @@ def run_resume(fmt: str, out: Path) -> dict:
             "is_file": path.is_file()}  # fmt: skip
 
 
+def record_exit(out: Path) -> None:
+    """Registered before zero3's exit handler, so it runs after it: what zero3 left running at this
+    process's exit (``OUT/exit-<pid>.json``). No Fabric of this script is torn down, as Fabric leaves them."""
+    from lightning_zero3.engine.process_exit import gloo_threads
+
+    def record() -> None:
+        watchdogs = [t.name for t in threading.enumerate() if t.name.startswith("zero3-watchdog")]
+        (out / f"exit-{os.getpid()}.json").write_text(json.dumps({"watchdogs": watchdogs, "gloo_threads": gloo_threads()}))
+
+    atexit.register(record)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
+    record_exit(out)
     results: dict = {}
     for name in ("zero3", "ddp"):
         results[f"clip-{name}"] = run_clip(name)
