@@ -74,9 +74,10 @@ def note_failure() -> None:
 
 
 def close_process_groups() -> None:
-    """Destroy torch.distributed's process groups (if still open) and let gloo's threads end before the
-    interpreter does: see [Note: process groups closed at exit]. Local: call it when no collective is in
-    flight on any rank (after the last one, or after a barrier)."""
+    """Stop zero3's running watchdogs, destroy torch.distributed's process groups (if still open) and let
+    gloo's threads end before the interpreter does: see [Note: process groups closed at exit]. Call it
+    when no collective is in flight on any rank (after the last one, or after a barrier); rank 0 waits
+    (at most the watchdog's ``stale_after``) until its peers have stopped their watchdogs too."""
     stop_running_watchdogs()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
