@@ -28,10 +28,12 @@ Fabric never calls ``teardown``).
 So once a zero3 engine or strategy has run in a process, an ``atexit`` handler (``close_process_groups``),
 while the interpreter is still whole: stops every watchdog still running (oldest first; rank 0 waits, as
 in ``Watchdog.stop``, until its peers are done with the store it hosts); destroys every process group;
-lets every ``Communicator`` drop its handles and collects garbage, so that every group nobody else holds
-is freed now, its destructor joining its threads with the GIL released (their last decrefs run then);
-and if gloo threads are left (a group the user's own objects hold: a DDP module, a handle kept in a
-global), sleeps a moment with the GIL released, time for a thread waiting for it to finish its decref. Scripts that drive ``Zero3Engine``
+lets every ``Communicator`` drop its handles, so that every group nobody else holds is freed now, its
+destructor joining its threads with the GIL released (their last decrefs run then); if gloo threads are
+left, collects garbage (a dropped model's DDP module in a reference cycle; not by default, since one
+collection costs ~0.25 s in a process that imported transformers, and the interpreter's finalization
+runs one anyway); and if some are still left (a group the user's live objects hold), sleeps a moment
+with the GIL released, time for a thread waiting for it to finish its decref. Scripts that drive ``Zero3Engine``
 themselves may call ``lightning_zero3.close_process_groups()`` at their end to the same effect.
 
 After a failure in this process a collective may still be queued that no peer will join. Destroying a
@@ -81,10 +83,11 @@ def close_process_groups() -> None:
     stop_running_watchdogs()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    forget_process_groups()
-    gc.collect()  # engines and their groups live in reference cycles
+    forget_process_groups()  # a group only an engine held goes now, its threads joined
     if gloo_threads() != 0:
-        time.sleep(GIL_HANDOFF_SECONDS)
+        gc.collect()  # groups held by garbage in reference cycles, as a dropped DDP model (see the note)
+        if gloo_threads() != 0:
+            time.sleep(GIL_HANDOFF_SECONDS)
 
 
 def gloo_threads() -> int:
