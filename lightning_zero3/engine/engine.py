@@ -35,8 +35,8 @@ from .memory import (
     optimizer_state_bytes, resident_bytes, return_free_heap,
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
-from .process_exit import close_process_groups_at_exit
 from .optim import optimizer_params, shard_optimizer
+from .process_exit import close_process_groups_at_exit
 from .residency import Residency
 from .runtime import UnitRuntime
 from .schedule import Schedule

@@ -33,8 +33,9 @@ destructor joining its threads with the GIL released (their last decrefs run the
 left, collects garbage (a dropped model's DDP module in a reference cycle; not by default, since one
 collection costs ~0.25 s in a process that imported transformers, and the interpreter's finalization
 runs one anyway); and if some are still left (a group the user's live objects hold), sleeps a moment
-with the GIL released, time for a thread waiting for it to finish its decref. Scripts that drive ``Zero3Engine``
-themselves may call ``lightning_zero3.close_process_groups()`` at their end to the same effect.
+with the GIL released, time for a thread waiting for it to finish its decref. Scripts that drive
+``Zero3Engine`` themselves may call ``lightning_zero3.close_process_groups()`` at their end to the same
+effect.
 
 After a failure in this process a collective may still be queued that no peer will join. Destroying a
 gloo group waits for it only until the peer's connection closes, which the watchdog makes happen within
