@@ -7,10 +7,13 @@ The CUDA path (device events, [Note: completion time] in ``engine/timing.py``) r
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import warnings
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -18,7 +21,9 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from lightning_zero3.callbacks import CommMonitor, MemoryMonitor
+from lightning_zero3.engine import cross_memory
 from lightning_zero3.engine.comm import Communicator
+from lightning_zero3.engine.cross_memory import CrossMemoryError, open_pair
 from lightning_zero3.engine.timing import EventClock, HostClock, clock_for
 
 # -- a fake device module: torch.cuda's names, streams with clocks (milliseconds) -----------------------
@@ -260,6 +265,13 @@ def test_utilization_falls_with_slower_collectives_and_is_logged_above_one_when_
     assert len(message) == 1 and "the peak measurement is off" in message[0] and "peak_repeats" in message[0]
 
 
+PAIR_WAYS = ("exchange_pair", "read_pair")  # gloo's swap, and a read of the peer's memory
+
+
+def _reader_threads() -> list[str]:
+    return [thread.name for thread in threading.enumerate() if thread.name.startswith("zero3-read")]
+
+
 def _pair_case(rank: int, world: int) -> dict:
     comm = Communicator()
     comm.open_side_groups()  # the reduce-scatters on their own group, as in training
@@ -269,7 +281,7 @@ def _pair_case(rank: int, world: int) -> dict:
     comm.tune([(numel, torch.float32)], torch.device("cpu"))
     offered = comm._pair_ways()
     results = {}
-    for way in ("single", "exchange_pair"):
+    for way in ("single",) + PAIR_WAYS:
         comm.choice[("reduce_scatter", numel * 4)] = "reduce_scatter_single" if way == "single" else way
         comm.choice[("all_gather", numel * 4)] = "all_gather_single" if way == "single" else way
         outputs = [torch.empty(numel // world) for _ in fulls]
@@ -284,21 +296,58 @@ def _pair_case(rank: int, world: int) -> dict:
         for p in reversed(pending):
             p.wait()
         results[way] = (outputs, gathered)
-    same_sums = all(torch.equal(a, b) for a, b in zip(results["single"][0], results["exchange_pair"][0]))
-    same_gathers = all(torch.equal(a, b) for a, b in zip(results["single"][1], results["exchange_pair"][1]))
+    same = {
+        way: all(torch.equal(a, b) for a, b in zip(results["single"][0], results[way][0]))
+        and all(torch.equal(a, b) for a, b in zip(results["single"][1], results[way][1]))
+        for way in PAIR_WAYS
+    }
     everyone = [torch.empty(numel) for _ in range(world)]
     dist.all_gather(everyone, fulls[0])
     halves = torch.cat([everyone[r][r * (numel // world) : (r + 1) * (numel // world)] for r in range(world)])
-    gathered_right = torch.equal(results["exchange_pair"][1][0], halves)  # each rank's own half, in rank order
+    gathered_right = all(torch.equal(results[way][1][0], halves) for way in PAIR_WAYS)  # own halves, in rank order
     counted = {kind: comm.stats[kind].count for kind in ("reduce_scatter", "all_gather")}
-    return {"offered": offered, "same_sums": same_sums, "same_gathers": same_gathers, "gathered_right": gathered_right,
-            "counted": counted}  # fmt: skip
+    # ranks out of step (a size that differs): a clear error on both, not a hang
+    size = 8 if rank == 0 else 6
+    try:
+        comm._channels["all_gather"].swap(torch.zeros(size), torch.empty(size), tag=1 << 20).wait()
+        mismatch = ""
+    except CrossMemoryError as error:
+        mismatch = str(error)
+    readers = _reader_threads()
+    comm.close_side_groups()
+    return {"offered": offered, "same": same, "gathered_right": gathered_right, "counted": counted,
+            "mismatch": mismatch, "readers": readers, "readers_after_close": _reader_threads(),
+            "ways_after_close": comm._pair_ways()}  # fmt: skip
 
 
-def test_two_ranks_may_swap_halves_and_shards_with_the_same_bits():
+def test_two_ranks_may_swap_or_read_halves_and_shards_with_the_same_bits():
     for result in run_ranks(_pair_case, 2):
-        assert "exchange_pair" in result["offered"]  # tune times it beside the other ways
-        assert result["same_sums"]  # bitwise a reduce-scatter's sums, three swaps in flight at once
-        assert result["same_gathers"] and result["gathered_right"]  # an all-gather's result
+        assert result["offered"] == PAIR_WAYS  # tune times both beside the other ways
+        assert result["same"] == {way: True for way in PAIR_WAYS}  # bitwise, three swaps in flight at once
+        assert result["gathered_right"]  # an all-gather's result
         # counted as reduce-scatters and all-gathers (tuning's own calls are not)
-        assert result["counted"] == {"reduce_scatter": 6, "all_gather": 6}
+        assert result["counted"] == {"reduce_scatter": 9, "all_gather": 9}
+        assert "the ranks of the pair swap different sizes" in result["mismatch"]
+        assert sorted(result["readers"]) == ["zero3-read-gather", "zero3-read-reduce"]
+        assert result["readers_after_close"] == [] and result["ways_after_close"] == ("exchange_pair",)
+
+
+def _refused_case(rank: int, world: int, monkeypatch_reads: bool) -> Optional[int]:
+    """One rank cannot read the other's memory (another container, ptrace refused): neither reads."""
+    if rank == 1 and monkeypatch_reads:
+        def refuse(pid, into, address):
+            raise CrossMemoryError("refused")
+
+        cross_memory.read_peer = refuse
+    return open_pair(Communicator().all_gather_objects, rank)
+
+
+def test_a_pair_reads_only_where_both_ranks_can():
+    assert run_ranks(_refused_case, 2, True) == [None, None]
+    peers = run_ranks(_refused_case, 2, False)
+    assert all(isinstance(pid, int) for pid in peers) and peers[0] != peers[1]
+
+
+def test_a_bad_read_names_the_process_and_the_cause():
+    with pytest.raises(CrossMemoryError, match=r"reading 16 bytes from rank process \d+ failed: Bad address"):
+        cross_memory.read_peer(os.getpid(), torch.empty(4), 8)

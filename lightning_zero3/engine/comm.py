@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from .cross_memory import PairChannel, close_pair, open_pair
 from .timing import Clock, Span, clock_for
 from .topology import Topology, inter_node_bytes
 
@@ -151,6 +152,8 @@ ALL_GATHER_WAYS = ("all_gather_single", "all_gather_list")
 REDUCE_SCATTER_WAYS = ("reduce_scatter_single", "all_reduce_slice")
 # a third way of each for groups of two ranks: [Note: a pair swaps halves], [Note: a pair swaps shards]
 PAIR_EXCHANGE = "exchange_pair"
+# and a fourth where the two can read each other's memory: [Note: a pair reads across processes]
+PAIR_READ = "read_pair"
 
 
 class _Works:
@@ -224,6 +227,8 @@ class Communicator:
         self.choice: dict[tuple[str, int], str] = {}  # (kind, bytes of the full buffer) -> way, by ``tune``
         # the tag of the last point-to-point swap per kind, counted alike on both ranks ([Note: swap tags])
         self._pair_tags = {"all_gather": 0, "reduce_scatter": 0}
+        # per kind, the channel its swaps may read the peer's memory through (``open_side_groups``)
+        self._channels: dict[str, PairChannel] = {}
         self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
         _COMMUNICATORS.add(self)
         self.checks = 0  # identity checks run by ``agree``
@@ -331,6 +336,14 @@ class Communicator:
         check = dist.new_group(ranks, timeout=timeout, backend="gloo", group_desc="zero3_check")
         self.reduce_group, self.check_group = reduce, check
         self._side_groups = [reduce, check]
+        if self.world_size == 2 and backend == "gloo":
+            peer_pid = open_pair(self.all_gather_objects, self.rank)
+            if peer_pid is not None:
+                peer = self.members[1 - self.rank]
+                self._channels = {
+                    "all_gather": PairChannel(self.group, peer, peer_pid, "gather"),
+                    "reduce_scatter": PairChannel(reduce, peer, peer_pid, "reduce"),
+                }
 
     def open_secondary_groups(self, size: int, timeout: Optional[timedelta] = None) -> None:
         """Create the groups of ``size`` consecutive ranks of the job's group that secondary shards are
@@ -362,15 +375,25 @@ class Communicator:
     def close_side_groups(self) -> None:
         """Destroy the groups ``open_side_groups`` and ``open_secondary_groups`` made (local; the collectives
         on them must be done)."""
+        self._close_channels()
         for group in self._side_groups:
             dist.destroy_process_group(group)
         self._side_groups = []
         self.reduce_group = self.check_group = self.group
         self.close_secondary_groups()
 
+    def _close_channels(self) -> None:
+        if self._channels:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels = {}
+            self.choice = {key: way for key, way in self.choice.items() if way != PAIR_READ}
+            close_pair()
+
     def forget_groups(self) -> None:
         """Drop the handles on every process group (the job's included), as the process ends: after
         ``torch.distributed.destroy_process_group`` no collective can run on them anyway."""
+        self._close_channels()
         self.group = self.reduce_group = self.check_group = self.secondary_group = None
         self._side_groups, self._secondary_groups = [], []
 
@@ -399,8 +422,8 @@ class Communicator:
             return self._finish(Pending(self, None, span, sinks, nbytes, None, inter_node), async_op)
         group = self.secondary_group if over == "secondary" else self.group
         way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0]) if over == "job" else ALL_GATHER_WAYS[0]
-        if way == PAIR_EXCHANGE:
-            work = self._swap_shards(output, shard, group)
+        if way in (PAIR_EXCHANGE, PAIR_READ):
+            work = self._swap_shards(output, shard, group, way == PAIR_READ)
         elif way == "all_gather_list":
             work = dist.all_gather(list(output.chunk(n)), shard, group=group, async_op=True)
         else:
@@ -418,8 +441,8 @@ class Communicator:
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
         group = self.reduce_group  # [Note: three process groups]
-        if way == PAIR_EXCHANGE:
-            work, finish = self._swap_halves(output, full, group)
+        if way in (PAIR_EXCHANGE, PAIR_READ):
+            work, finish = self._swap_halves(output, full, group, way == PAIR_READ)
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
         elif way == "all_reduce_slice":
             work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -431,8 +454,9 @@ class Communicator:
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
         return self._finish(Pending(self, work, span, sinks, nbytes, finish, inter_node), async_op)
 
-    def _swap(self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any) -> _Works:
-        """Send ``send`` to the other rank of a two-rank ``group`` and receive its message into ``receive``.
+    def _swap(self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any, read: bool = False) -> Any:
+        """Send ``send`` to the other rank of a two-rank ``group`` and receive its message into ``receive``;
+        ``read``: by reading each other's memory instead ([Note: a pair reads across processes]).
 
         [Note: swap tags]
         Each message carries a tag that both ranks count alike per kind: all-gathers are issued in one
@@ -442,12 +466,16 @@ class Communicator:
         legitimately differs between ranks (see [Note: three process groups])."""
         peer = dist.get_global_rank(group, 1 - self.rank) if group is not None else 1 - self.rank
         tag = self._pair_tags[kind] = (self._pair_tags[kind] + 1) % (1 << 30)
+        if read and send.device.type == "cpu":
+            return self._channels[kind].swap(send, receive, tag)
         return _Works(dist.batch_isend_irecv([
             dist.P2POp(dist.isend, send, peer, group, tag),
             dist.P2POp(dist.irecv, receive, peer, group, tag),
         ]))  # fmt: skip
 
-    def _swap_halves(self, output: torch.Tensor, full: torch.Tensor, group: Any) -> tuple[_Works, Callable[[], None]]:
+    def _swap_halves(
+        self, output: torch.Tensor, full: torch.Tensor, group: Any, read: bool = False
+    ) -> tuple[Any, Callable[[], None]]:
         """The reduce-scatter of a group of two ranks as one swap: each sends the half of ``full`` that the
         other keeps and receives the other's copy of its own half straight into ``output``; the finisher
         adds its own half.
@@ -461,11 +489,11 @@ class Communicator:
         addition of two terms does not depend on their order), so results are bitwise those of the other
         ways."""
         me, width = self.rank, output.numel()
-        works = self._swap("reduce_scatter", full[(1 - me) * width : (2 - me) * width], output, group)
+        works = self._swap("reduce_scatter", full[(1 - me) * width : (2 - me) * width], output, group, read)
         mine = full[me * width : (me + 1) * width]
         return works, lambda: output.add_(mine)
 
-    def _swap_shards(self, output: torch.Tensor, shard: torch.Tensor, group: Any) -> _Works:
+    def _swap_shards(self, output: torch.Tensor, shard: torch.Tensor, group: Any, read: bool = False) -> Any:
         """The all-gather of a group of two ranks as one swap: each sends its ``shard`` and receives the
         other's straight into its place in ``output``, and copies its own into place meanwhile.
 
@@ -475,7 +503,7 @@ class Communicator:
         2-core AMD host (family 26). A gather moves the same bytes either way (one shard each way); the
         swap skips gloo's collective machinery (its worker thread and its staging of the output)."""
         me, width = self.rank, shard.numel()
-        works = self._swap("all_gather", shard, output[(1 - me) * width : (2 - me) * width], group)
+        works = self._swap("all_gather", shard, output[(1 - me) * width : (2 - me) * width], group, read)
         mine = output[me * width : (me + 1) * width]
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
@@ -483,7 +511,9 @@ class Communicator:
 
     def _pair_ways(self) -> tuple[str, ...]:
         """What two ranks may also do ([Note: a pair swaps halves], [Note: a pair swaps shards])."""
-        return (PAIR_EXCHANGE,) if self.world_size == 2 else ()
+        if self.world_size != 2:
+            return ()
+        return (PAIR_EXCHANGE, PAIR_READ) if self._channels else (PAIR_EXCHANGE,)
 
     @staticmethod
     def _finish(pending: Pending, async_op: bool) -> Optional[Pending]:
