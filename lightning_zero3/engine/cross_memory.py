@@ -11,8 +11,8 @@ one copy, 0.34 ms for the same 4.8 MB there. A swap over a ``PairChannel``:
 - ``swap`` (the caller's thread) sends the peer where its outgoing bytes are (address and length, 16
   bytes on the pair's gloo group) and posts the receives of the peer's address and of its "read" note;
 - the channel's reader thread takes swaps in issue order: it waits for the peer's address, copies the
-  peer's bytes into the receiving tensor with ``process_vm_readv``, and sends the peer the "read" note
-  (then the peer may reuse the buffer it sent);
+  peer's bytes into the receiving tensor with ``process_vm_readv``, sends the peer the "read" note
+  (then the peer may reuse the buffer it sent), and waits for the peer's note before the next swap;
 - ``wait`` returns once this rank's copy is done and the peer's note has come: both buffers are free.
 
 The copy runs on a thread of its own because a rank's waits follow its own program, which differs
@@ -70,7 +70,7 @@ class CrossMemoryError(RuntimeError):
 def read_peer(pid: int, into: torch.Tensor, address: int) -> None:
     """Copy ``into.nbytes`` bytes at ``address`` in process ``pid`` into the host tensor ``into``
     (contiguous); ctypes lets go of the GIL for the copy."""
-    done, total = 0, into.numel() * into.element_size()
+    done, total = 0, into.nbytes
     while done < total:  # the kernel may copy less than asked (a partial read): go on from there
         local = _IoVec(into.data_ptr() + done, total - done)
         remote = _IoVec(address + done, total - done)
@@ -87,7 +87,7 @@ class _Swap:
     def __init__(self, send: torch.Tensor, receive: torch.Tensor, tag: int, peer: int, group: Any) -> None:
         self.send, self.receive, self.tag = send, receive, tag  # ``send`` alive until the peer has read it
         # the tensors of the three messages: this rank's address and length, the peer's, the peer's note
-        self.mine = torch.tensor([send.data_ptr(), send.numel() * send.element_size()], dtype=torch.int64)
+        self.mine = torch.tensor([send.data_ptr(), send.nbytes], dtype=torch.int64)
         self.peer_address = torch.empty(2, dtype=torch.int64)
         self.peer_note = torch.empty(1, dtype=torch.int64)
         # each gloo work is waited for once, by one thread: a second wait of a receive waits for another
@@ -149,7 +149,7 @@ class PairChannel:
     def _read(self, pending: _Swap, note: torch.Tensor) -> None:
         pending.address_come.wait()
         address, length = pending.peer_address.tolist()
-        wanted = pending.receive.numel() * pending.receive.element_size()
+        wanted = pending.receive.nbytes
         if length != wanted:
             raise CrossMemoryError(
                 f"zero3: the ranks of the pair swap different sizes ({wanted} bytes here, {length} on the other "
