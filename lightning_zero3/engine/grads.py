@@ -195,8 +195,19 @@ def reduce_packed(packed: list[Packed], comm: Communicator, async_op: bool = Fal
     A reduce-scatter hands rank r the r-th contiguous slice of its input. Each packed buffer is laid out
     row by row (row r: what rank r receives); several groups go side by side, ``[g1 row 0 | g2 row 0 | ...
     | g1 row 1 | g2 row 1 | ...]``, so rank r receives ``[g1 row r | g2 row r | ...]``.
+
+    [Note: one rank reduces nothing]
+    With one rank a packed buffer has one row, and that row is already the sum over ranks. Copying it
+    into a "reduced" buffer (and concatenating a bucket first) would be two passes over the unit's
+    gradients per backward that change no value: on a GPU, at world size 1, they were most of zero3's
+    extra memory traffic against a plain single-device run. So the row itself is accumulated into the
+    gradient shard, and each buffer goes back to the pool once that has read it. No collective is
+    issued, so the communication figures count no reduce-scatter at world size 1.
     """
     first, pool = packed[0].buffer, packed[0].group.pool
+    if comm.world_size == 1:
+        rows = [item.buffer.view(-1) for item in packed]
+        return _Accumulation(None, list(zip(packed, rows)), [], rows).finish(async_op)
     if len(packed) == 1:
         send = first
     else:
@@ -211,14 +222,17 @@ def reduce_packed(packed: list[Packed], comm: Communicator, async_op: bool = Fal
     for item in packed:
         results.append((item, reduced[start : start + item.width]))
         start += item.width
-    return _Accumulation(pending, results, [send.view(-1)], reduced).finish(async_op)
+    return _Accumulation(pending, results, [send.view(-1)], [reduced]).finish(async_op)
 
 
 class _Accumulation:
-    """A reduce-scatter in flight and what to do with its result: add each group's slice into its shard
-    gradients. ``keep`` holds the buffers the collective reads until it completes."""
+    """A reduce-scatter in flight (``pending``; None where there is nothing to wait for: [Note: one rank
+    reduces nothing]) and what to do with its result: add each group's slice into its shard gradients.
+    ``keep`` holds the buffers the collective reads until it completes; ``reduced``, the buffers the
+    slices are views of, given back once every slice has been read."""
 
-    def __init__(self, pending: Pending, results: list[tuple[Packed, torch.Tensor]], keep: list, reduced: torch.Tensor) -> None:
+    def __init__(self, pending: Optional[Pending], results: list[tuple[Packed, torch.Tensor]], keep: list,
+                 reduced: list[torch.Tensor]) -> None:  # fmt: skip
         self.pending, self.results, self.keep, self.reduced = pending, results, keep, reduced
         self.done = False
 
@@ -229,7 +243,7 @@ class _Accumulation:
         return None
 
     def ready(self) -> bool:
-        return self.done or self.pending.ready()
+        return self.done or self.pending is None or self.pending.ready()
 
     @property
     def ends_alike(self) -> bool:
@@ -238,7 +252,8 @@ class _Accumulation:
     def wait(self) -> None:
         if self.done:
             return
-        self.pending.wait()
+        if self.pending is not None:
+            self.pending.wait()
         pool = self.results[0][0].group.pool
         for buffer in self.keep:
             pool.give(buffer)
@@ -248,7 +263,8 @@ class _Accumulation:
         def read() -> None:
             readers[0] -= 1
             if readers[0] == 0:
-                pool.give(self.reduced)
+                for buffer in self.reduced:
+                    pool.give(buffer)
 
         for item, reduced in self.results:
             _accumulate(item, reduced, read)
