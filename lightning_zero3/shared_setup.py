@@ -38,6 +38,12 @@ from .engine.process_exit import close_process_groups_at_exit, note_failure
 _WATCHDOG_GENERATIONS = itertools.count()
 
 
+def _one_process(group: Optional[Any] = None) -> bool:
+    """Whether ``group`` (the job's, by default) has one process, or there is no process group at all:
+    [Note: one process syncs nothing]."""
+    return not _distributed_is_initialized() or torch.distributed.get_world_size(group) == 1
+
+
 class ProcessesMixin:
     """Process group, CPU thread budget and watchdog for a zero3 strategy (either door)."""
 
@@ -84,14 +90,22 @@ class ProcessesMixin:
         return self._engine
 
     # -- collectives for the framework (logging with sync_dist, early stopping, fabric.all_reduce) -------
+    #
+    # [Note: one process syncs nothing]
+    # Lightning reduces a value logged with ``sync_dist=True`` with a barrier and then an all-reduce, every
+    # step. With one process both are identities, but under NCCL the barrier still waits until the GPU
+    # has run everything queued: a training step that logs its loss stalled the host mid-step, so the GPU
+    # then idled while backward's kernels were being launched (a plain single-device run has no process
+    # group and skips both). So a group of one process reduces and waits for nothing; the result is the
+    # value itself, as the all-reduce of one process would leave it, for every op (a mean over one is it).
 
     def _reduce_tensor(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, torch.Tensor) and not _one_process(group):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
+        if _one_process():
             return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])

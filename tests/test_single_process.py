@@ -72,6 +72,17 @@ def test_one_process_keeps_every_unit_gathered_and_gathers_nothing(runs):
     torch.testing.assert_close(model.head.weight, runs["plain"][1].head.weight, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["alone", "sharded", "alone-bf16", "alone-offload"])
+def test_one_process_reduces_its_gradients_without_a_collective_and_gives_every_buffer_back(runs, name):
+    # [Note: one rank reduces nothing]: the packed row is the sum, accumulated straight into the shard
+    engine = runs[name]["engine"]
+    assert engine.comm.stats["reduce_scatter"].count == 0
+    pools = {id(rt.group.pool): rt.group.pool for rt in engine.runtimes}
+    assert len(pools) == 1
+    (pool,) = pools.values()
+    assert pool.idle_bytes == engine.ledger.held[pool.category] > 0  # every packed buffer back in the pool
+
+
 def test_units_are_released_as_with_several_ranks_when_sharding_is_asked_for(runs):
     engine = runs["sharded"]["engine"]
     units = [rt.group for rt in engine.runtimes if not rt.group.persistent]
@@ -141,6 +152,13 @@ def _fit(strategy) -> list[float]:
     return module.losses
 
 
-def test_a_one_device_trainer_trains_as_lightnings_own_single_device_strategy():
+def test_a_one_device_trainer_trains_as_lightnings_own_single_device_strategy(monkeypatch):
+    calls = []
+    for name in ("barrier", "all_reduce"):
+        real = getattr(torch.distributed, name)
+        monkeypatch.setattr(torch.distributed, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     zero3 = _fit(Zero3Strategy(persistence_threshold=100, tune_collectives=False))
+    # [Note: one process syncs nothing]: the loss logged with sync_dist=True every step, no barrier or all-reduce
+    assert calls == []
+    monkeypatch.undo()
     assert zero3 == pytest.approx(_fit("auto"), rel=1e-6, abs=0)
