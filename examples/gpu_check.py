@@ -4,11 +4,15 @@
     python examples/gpu_check.py --json out.json # the same rows as JSON
 
 Without a CUDA device it says so and exits 0, having run nothing. Each check runs in a fresh process on
-GPU 0 (Lightning ``Trainer(devices=1)``, so the process group is NCCL with one rank):
+GPU 0 (Lightning ``Trainer(devices=1)``, so the process group is NCCL with one rank). The correctness
+workers share the GPU side by side (their verdicts compare results, not times); the timing probe and the
+benchmarks run alone. One process keeps every unit gathered by default, so the correctness checks set
+``single_process_sharding=True``: their gathers, releases and reductions run as with several ranks.
 
 - ``parity fp32``: zero3 against DDP, 10 steps of the example GPT: every step's loss and every final
   weight bitwise equal. Both runs use deterministic algorithms and SDPA's math kernel, so the only
-  difference left is zero3 itself.
+  difference left is zero3 itself. ``parity fp32 resident``: the same for zero3's default one-process
+  path (every unit gathered for the whole run, the optimizer stepping the buffer the model reads).
 - ``parity bf16-mixed``: zero3 against DDP, 20 steps: every loss within ``BF16_LOSS_RTOL`` relative, the
   CPU suite's bound (zero3 gathers bf16 copies of the LayerNorm weights and embeddings, which DDP's
   autocast keeps in fp32; tests/test_parity.py explains the figure).
@@ -42,7 +46,9 @@ GPU 0 (Lightning ``Trainer(devices=1)``, so the process group is NCCL with one r
   step), bf16-mixed, at world size 1: zero3, single and FSDP2, eager and then with every block compiled in
   place (``--compile``); ratios to single's step in the same mode, and ``target 1B``: within 1.10x.
 
-``--parts`` runs a subset (``checks``, ``benchmark``, ``big``), for a device session too short for all.
+``--parts`` runs a subset (``checks``, ``benchmark``, ``big``) in the order given, for a device session
+too short for all; each part's rows are printed (and ``--json`` rewritten) as soon as the part ends, so a
+run cut short still reports what it measured.
 
 ``--accelerator cpu`` runs the same checks on the CPU: a dry run of this script's own machinery (the
 CUDA-only figures and the NCCL check are then reported missing or skipped).
@@ -59,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -74,6 +81,7 @@ BF16_LOSS_RTOL = 5e-3
 OFFLOAD_LOSS_RTOL = 1e-3
 OFFLOAD_WEIGHT_ATOL = 1e-3  # one AdamW step of the example's lr (1e-3)
 WORKER_TIMEOUT_S = 300
+BENCHMARK_TIMEOUT_S = 600
 
 #: Dense peak FLOP/s (bf16 tensor core, fp32 without tensor cores) from NVIDIA's datasheets, by a part of
 #: ``torch.cuda.get_device_name()``; the first match wins, so longer names come first.
@@ -106,7 +114,10 @@ BIG = {"cuda": ["--n-layer", "20", "--n-embd", "2048", "--n-head", "16", "--bloc
 BIG_STRATEGIES = ("zero3", "single", "fsdp2")
 #: zero3's step at world size 1 against plain single-device Lightning's, at most (the project's targets)
 TARGET_X_SINGLE = {"benchmark": 1.25, "1B": 1.10}
-PARTS = ("checks", "benchmark", "big")
+PARTS = ("checks", "big", "benchmark", "profile")
+DEFAULT_PARTS = ("checks", "big", "benchmark")  # the profile is asked for by name (about 2 minutes more)
+#: the profile part: examples/device_profile.py at one device, per model, the strategies it compares
+PROFILES = {"85M": (BENCHMARK, ("zero3", "ddp", "single")), "1B": (BIG, ("zero3", "single"))}
 
 
 @dataclass
@@ -192,7 +203,10 @@ CUDA_MEMORY_TAGS = ("reserved_bytes", "allocated_bytes", "fragmentation", "cache
 
 
 def monitors_verdict(memory: dict, comm: dict) -> tuple[bool, str]:
-    """The monitors' last logged figures: the CUDA allocator's present and sane, the collectives' measured."""
+    """The monitors' last logged figures: the CUDA allocator's present and sane, the collectives' measured.
+    The check runs at one rank, where the gathers (sharded on purpose) are one-rank collectives and the
+    gradients are reduced with none ([Note: one rank reduces nothing] in grads.py): a reduce-scatter
+    counted there is a defect."""
     mem = {tag: memory.get(f"zero3/memory/{tag}/max") for tag in CUDA_MEMORY_TAGS}
     missing = [tag for tag, value in mem.items() if value is None]
     problems = [f"memory figures missing: {missing}"] if missing else []
@@ -205,7 +219,9 @@ def monitors_verdict(memory: dict, comm: dict) -> tuple[bool, str]:
         f"reserved {mem['reserved_bytes'] / 2**20:.0f} MiB, allocated {mem['allocated_bytes'] / 2**20:.0f} MiB, "
         f"fragmentation {mem['fragmentation']:.3f}, slack {mem['cached_slack']:.2f}, retries {mem['alloc_retries']:.0f}"
     ]  # fmt: skip
-    for kind in ("all_gather", "reduce_scatter"):
+    if comm.get("zero3/comm/reduce_scatter/count/mean"):
+        problems.append(f"{comm['zero3/comm/reduce_scatter/count/mean']:.0f} reduce-scatters at one rank (expected none)")
+    for kind in ("all_gather",):
         names = ("count", "bytes", "seconds", "busbw_GBps", "utilization")
         fig = {name: comm.get(f"zero3/comm/{kind}/{name}/mean") for name in names}
         if None in fig.values() or not (fig["count"] > 0 < fig["seconds"] and 0 < fig["utilization"] < math.inf):
@@ -213,6 +229,8 @@ def monitors_verdict(memory: dict, comm: dict) -> tuple[bool, str]:
             continue
         parts.append(f"{kind} {fig['count']:.0f} calls, {fig['bytes'] / 2**20:.1f} MiB, {fig['seconds'] * 1e3:.2f} ms, "
                      f"busbw {fig['busbw_GBps']:.0f} GB/s, utilization {fig['utilization']:.2f}")  # fmt: skip
+    if not comm.get("zero3/comm/reduce_scatter/count/mean"):
+        parts.append("no reduce-scatter (one rank)")
     return not problems, "; ".join(problems + parts)
 
 
@@ -282,22 +300,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device found (torch.cuda.is_available() is False); nothing was run.")
         return 0
+    global LOG_DIR
+    LOG_DIR = args.logs
     started = time.perf_counter()
     print(describe_machine(args.accelerator), flush=True)
     parts = args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"gpu_check: --parts {args.parts!r}: unknown {unknown}; choose from {', '.join(PARTS)}")
+    jobs = args.jobs or (len(CONCURRENT_WORKERS) if args.accelerator == "cuda" else 2)
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows = []
-        if "checks" in parts:
-            rows += verdicts({name: launch(name, args.accelerator, Path(tmp)) for name in WORKERS})
-        if "benchmark" in parts:
-            rows += benchmark(args.accelerator, Path(tmp))
-        if "big" in parts:
-            rows += big_benchmark(args.accelerator, Path(tmp))
+        for part in dict.fromkeys(parts):  # in the order given, each once
+            part_started = time.perf_counter()
+            if part == "checks":
+                new = verdicts(run_checks(args.accelerator, Path(tmp), jobs))
+            elif part == "benchmark":
+                new = benchmark(args.accelerator, Path(tmp))
+            elif part == "big":
+                new = big_benchmark(args.accelerator, Path(tmp))
+            else:
+                new = device_profiles(args.accelerator, Path(tmp))
+            rows += new
+            # each part's rows as soon as it ends, so a run cut short still reports what it measured
+            print(f"\n{format_table(new)}\n({part}: {time.perf_counter() - part_started:.0f} s)\n", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     print()
     print(format_table(rows))
     print(f"\n{time.perf_counter() - started:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return exit_status(rows)
 
 
@@ -305,9 +336,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--accelerator", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--json", type=Path)
-    p.add_argument("--parts", default=",".join(PARTS),
-                   help=f"comma-separated, of {', '.join(PARTS)}: the correctness checks, the 85M benchmark, the "
-                        "~1B world-size-1 comparison (eager and compiled); default all")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                   help=f"comma-separated, of {', '.join(PARTS)}, run in the order given: the correctness checks, "
+                        "the ~1B world-size-1 comparison (eager and compiled), the 85M benchmark, where the step's "
+                        f"time goes on the device (examples/device_profile.py); default {','.join(DEFAULT_PARTS)}")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="correctness workers run side by side (default: all of them on a GPU, 2 on the CPU); the "
+                        "timing probe and the benchmarks always run alone")
+    p.add_argument("--logs", type=Path, help="keep each child process's whole output here, one file per run")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -319,20 +355,49 @@ def describe_machine(accelerator: str) -> str:
     return f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
 
 
+#: where each child process's whole output is kept (``--logs``), beside the table's three-line tails
+LOG_DIR: Optional[Path] = None
+
+
+def run_child(name: str, cmd: list[str], timeout: float, **kwargs: Any) -> Optional[str]:
+    """Run one child process; None when it exited 0, else why not (its exit status and last lines)."""
+    print(f"running {name} ...", flush=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as timed_out:
+        done = None  # a timed-out child's output comes as bytes, whatever text=True says
+        output = b"".join(part or b"" for part in (timed_out.stdout, timed_out.stderr)).decode(errors="replace")
+    else:
+        output = f"{done.stdout}{done.stderr}"
+    if LOG_DIR is not None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        (LOG_DIR / f"{name.replace(' ', '_')}.log").write_text(output)
+    if done is None:
+        return f"{name}: no result after {timeout:.0f} s"
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return f"{name}: exit {done.returncode}: {' / '.join(tail)[-300:]}"
+    return None
+
+
 def launch(name: str, accelerator: str, tmp: Path) -> Any:
     """A worker's result, or the reason it has none (a string)."""
     out = tmp / f"{name}.pt"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--accelerator", accelerator, "--out", str(out)]
-    print(f"running {name} ...", flush=True)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return f"{name}: no result after {WORKER_TIMEOUT_S} s"
-    if done.returncode != 0 or not out.exists():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return f"{name}: exit {done.returncode}: {' / '.join(tail)[-300:]}"
+    failed = run_child(name, cmd, WORKER_TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if failed or not out.exists():
+        return failed or f"{name}: exit 0 without a result"
     return torch.load(out, weights_only=False)
+
+
+def run_checks(accelerator: str, tmp: Path, jobs: int) -> dict[str, Any]:
+    """Every correctness worker's result (or why it has none). Their verdicts compare results, not times,
+    so they share the device side by side; the timing probe then runs alone, since a spin kernel next to
+    other processes' kernels would not time what it claims to."""
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        runs = dict(zip(CONCURRENT_WORKERS, pool.map(lambda name: launch(name, accelerator, tmp), CONCURRENT_WORKERS)))
+    runs["timing"] = launch("timing", accelerator, tmp)
+    return runs
 
 
 def verdicts(runs: dict[str, Any]) -> list[Row]:
@@ -356,6 +421,7 @@ def verdicts(runs: dict[str, Any]) -> list[Row]:
         return ok, detail
 
     row("parity fp32", ("zero3-fp32", "ddp-fp32"), lambda z, d: with_training(compare_exact(z, d), z))
+    row("parity fp32 resident", ("zero3-fp32-resident", "ddp-fp32"), lambda z, d: with_training(compare_exact(z, d), z))
     row("parity bf16-mixed", ("zero3-bf16", "ddp-bf16"),
         lambda z, d: with_training(compare_close(z, d, BF16_LOSS_RTOL), z))  # fmt: skip
 
@@ -396,6 +462,37 @@ def big_benchmark(accelerator: str, tmp: Path) -> list[Row]:
     return rows
 
 
+def device_profiles(accelerator: str, tmp: Path) -> list[Row]:
+    """``examples/device_profile.py`` at one device, ``bf16-mixed``: per model and strategy, the step's
+    device-busy and idle time, host syncs and costliest kernels (INFO rows: figures to read)."""
+    rows = []
+    for label, (options, strategies) in PROFILES.items():
+        for strategy in strategies:
+            name = f"profile {label} {strategy}"
+            out = tmp / f"{name.replace(' ', '_')}.json"
+            model = options[accelerator]
+            for flag in ("--runs", "--steps", "--warmup"):  # the profile's own step counts instead
+                model = _without_option(model, flag)
+            cmd = [sys.executable, str(HERE / "device_profile.py"), "--strategy", strategy, "--json", str(out),
+                   "--accelerator", accelerator, "--precision", "bf16-mixed", "--steps", "3", "--warmup", "5", *model]  # fmt: skip
+            failed = run_child(name, cmd, BENCHMARK_TIMEOUT_S, cwd=tmp)
+            if failed or not out.exists():
+                rows.append(Row(name, "FAIL", failed or "exit 0 without a result"))
+                continue
+            from device_profile import describe
+
+            rows.append(Row(name, "INFO", describe(strategy, json.loads(out.read_text()))))
+    return rows
+
+
+def _without_option(options: list[str], flag: str) -> list[str]:
+    """``options`` less ``flag`` and the value after it."""
+    if flag not in options:
+        return options
+    i = options.index(flag)
+    return options[:i] + options[i + 2 :]
+
+
 def run_benchmark(label: str, options: list[str], strategies: tuple[str, ...], accelerator: str,
                   tmp: Path) -> tuple[Optional[dict], int, Row]:  # fmt: skip
     """``examples/benchmark.py`` at one device in bf16-mixed: (its summary or None, the model's parameter
@@ -405,11 +502,9 @@ def run_benchmark(label: str, options: list[str], strategies: tuple[str, ...], a
     out = tmp / f"{label.replace(' ', '_')}.json"
     cmd = [sys.executable, str(HERE / "benchmark.py"), "--accelerator", accelerator, "--devices", "1",
            "--precision", "bf16-mixed", "--strategies", ",".join(strategies), "--json", str(out), *options]  # fmt: skip
-    print(f"running {label} ...", flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
-    if done.returncode != 0 or not out.exists():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return None, 0, Row(label, "FAIL", f"exit {done.returncode}: {' / '.join(tail)[-300:]}")
+    failed = run_child(label, cmd, BENCHMARK_TIMEOUT_S, cwd=tmp)
+    if failed or not out.exists():
+        return None, 0, Row(label, "FAIL", failed or "exit 0 without a result")
     summary = json.loads(out.read_text())
     cfg = summary["config"]
     with torch.device("meta"):
@@ -453,13 +548,14 @@ def measured_matmul_flops(n: int = 8192, repeats: int = 10) -> float:
 # worker -> (strategy, precision flag, steps, gradient_clip_val)
 TRAINING = {
     "zero3-fp32": ("zero3", "32-true", 10, None),
+    "zero3-fp32-resident": ("zero3_resident", "32-true", 10, None),
     "ddp-fp32": ("ddp", "32-true", 10, None),
     "zero3-bf16": ("zero3", "bf16-mixed", 20, None),
     "ddp-bf16": ("ddp", "bf16-mixed", 20, None),
     "offload-fp16-clip": ("zero3_offload", "16-mixed", 10, 0.5),
     "zero3-fp16-clip": ("zero3", "16-mixed", 10, 0.5),
 }
-WORKERS = (*TRAINING, "timing", "monitors")
+CONCURRENT_WORKERS = (*TRAINING, "monitors")  # "timing" runs after them, alone
 
 
 def run_worker(name: str, accelerator: str) -> dict:
@@ -494,7 +590,12 @@ def train(strategy: str, precision: str, steps: int, clip: Optional[float], acce
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
-    knobs = {"persistence_threshold": 1000}  # small parameters sharded too, as in the CPU parity suite
+    # One process keeps every unit gathered by default (nothing to shard); these checks shard anyway, so the
+    # gathers, releases and reductions run as with several ranks (NCCL at one rank, the side streams), and
+    # small parameters are sharded too, as in the CPU parity suite. "zero3_resident" is the default path.
+    knobs = {"persistence_threshold": 1000, "single_process_sharding": True}
+    if strategy == "zero3_resident":
+        knobs = {}
     if strategy == "zero3_offload":
         knobs |= {"offload_optimizer": "cpu", "offload_params": "cpu"}
     chosen = "ddp" if strategy == "ddp" else lightning_zero3.Zero3Strategy(**knobs)

@@ -91,7 +91,7 @@ def test_a_one_rank_copy_on_the_calling_stream_has_no_stall_to_check():
 
 
 def test_monitors_verdict_needs_the_cuda_allocator_figures():
-    comm = {f"zero3/comm/{kind}/{name}/mean": value for kind in ("all_gather", "reduce_scatter")
+    comm = {f"zero3/comm/all_gather/{name}/mean": value
             for name, value in (("count", 12), ("bytes", 2**21), ("seconds", 0.003), ("busbw_GBps", 50), ("utilization", 0.8))}  # fmt: skip
     cuda = {"reserved_bytes": 2**30, "allocated_bytes": 2**29, "fragmentation": 0.01, "cached_slack": 0.5, "alloc_retries": 0}
     memory = {f"zero3/memory/{tag}/max": value for tag, value in cuda.items()}
@@ -99,8 +99,12 @@ def test_monitors_verdict_needs_the_cuda_allocator_figures():
     assert ok and "reserved 1024 MiB, allocated 512 MiB" in detail and "all_gather 12 calls, 2.0 MiB, 3.00 ms" in detail
     ok, detail = gpu_check.monitors_verdict({"zero3/memory/rss_bytes/max": 1.0}, comm)  # host figures only
     assert not ok and "memory figures missing" in detail
-    ok, detail = gpu_check.monitors_verdict(memory, {**comm, "zero3/comm/reduce_scatter/count/mean": 0})
-    assert not ok and "reduce_scatter figures missing or not positive" in detail
+    assert "no reduce-scatter (one rank)" in detail
+    ok, detail = gpu_check.monitors_verdict(memory, {**comm, "zero3/comm/all_gather/count/mean": 0})
+    assert not ok and "all_gather figures missing or not positive" in detail
+    # one rank reduces without a collective: a reduce-scatter counted there fails the check
+    ok, detail = gpu_check.monitors_verdict(memory, {**comm, "zero3/comm/reduce_scatter/count/mean": 2})
+    assert not ok and "2 reduce-scatters at one rank (expected none)" in detail
 
 
 def test_mfu_and_the_peak_table():
@@ -141,3 +145,28 @@ def test_world_size_one_rows_compare_with_plain_single_device_lightning():
     slow = {**summary, "rows": {**summary["rows"], "zero3": {"step_time_s": 0.12, "tokens_per_s": 1.0}}}
     assert gpu_check.target_row(slow, "1B", 1.10).detail.endswith("target <= 1.10x: missed")
     assert "not measured" in gpu_check.target_row({"rows": {"zero3": {}}}, "1B", 1.10).detail
+
+
+def test_the_device_profile_counts_busy_time_once_where_kernels_overlap():
+    from types import SimpleNamespace
+
+    import device_profile
+    from torch.autograd import DeviceType
+
+    assert device_profile.busy_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == 4.0
+
+    def event(name, start_us, end_us, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start_us, end=end_us))
+
+    events = [event("gemm", 0, 4000), event("gemm", 6000, 10000), event("copy", 3000, 5000),
+              event("cudaStreamSynchronize", 0, 10, DeviceType.CPU), event("aten::mm", 0, 10, DeviceType.CPU)]  # fmt: skip
+    figures = device_profile.summarize(events, wall_s=0.024, steps=2)  # two steps of 12 ms, 9 ms of it busy
+    assert figures["wall_s"] == pytest.approx(0.012)
+    assert figures["busy_s"] == pytest.approx(0.0045) and figures["idle_s"] == pytest.approx(0.0075)
+    assert figures["syncs"] == 0.5 and figures["kernels"] == 1.5
+    assert figures["top"][0] == ("gemm", pytest.approx(0.004))
+    line = device_profile.describe("zero3", figures)
+    assert "step 12.0 ms, device busy 4.5 ms, idle 7.5 ms" in line and "gemm 4.0 ms" in line
+    on_cpu = device_profile.summarize([event("aten::mm", 0, 10, DeviceType.CPU)], wall_s=0.01, steps=1)
+    assert on_cpu["busy_s"] is None and "device busy n/a" in device_profile.describe("single", on_cpu)
+    assert gpu_check._without_option(["--a", "1", "--steps", "30", "--b"], "--steps") == ["--a", "1", "--b"]
