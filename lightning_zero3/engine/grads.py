@@ -201,13 +201,14 @@ def reduce_packed(packed: list[Packed], comm: Communicator, async_op: bool = Fal
     into a "reduced" buffer (and concatenating a bucket first) would be two passes over the unit's
     gradients per backward that change no value: on a GPU, at world size 1, they were most of zero3's
     extra memory traffic against a plain single-device run. So the row itself is accumulated into the
-    gradient shard, and each buffer goes back to the pool once that has read it. No collective is
-    issued, so the communication figures count no reduce-scatter at world size 1.
+    gradient shard at once (there is nothing to overlap with), and each buffer goes back to the pool
+    once that has read it, ready for the next unit's gradients. No collective is issued, so the
+    communication figures count no reduce-scatter at world size 1.
     """
     first, pool = packed[0].buffer, packed[0].group.pool
     if comm.world_size == 1:
         rows = [item.buffer.view(-1) for item in packed]
-        return _Accumulation(None, list(zip(packed, rows)), [], rows).finish(async_op)
+        return _Accumulation(None, list(zip(packed, rows)), [], rows).finish(async_op=False)
     if len(packed) == 1:
         send = first
     else:
