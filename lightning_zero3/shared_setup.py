@@ -94,8 +94,8 @@ class ProcessesMixin:
     # [Note: one process syncs nothing]
     # Lightning reduces a value logged with ``sync_dist=True`` with a barrier and then an all-reduce, every
     # step. With one process both are identities, but under NCCL the barrier still waits until the GPU
-    # has run everything queued: a training step that logs its loss stalled the host mid-step, so the GPU
-    # then idled while backward's kernels were being launched (a plain single-device run has no process
+    # has run everything queued: a training step that logs its loss stalls the host mid-step, and the GPU
+    # can then idle while backward's first kernels are launched (a plain single-device run has no process
     # group and skips both). So a group of one process reduces and waits for nothing; the result is the
     # value itself, as the all-reduce of one process would leave it, for every op (a mean over one is it).
 
