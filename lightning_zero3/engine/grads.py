@@ -198,11 +198,10 @@ def reduce_packed(packed: list[Packed], comm: Communicator, async_op: bool = Fal
 
     [Note: one rank reduces nothing]
     With one rank a packed buffer has one row, and that row is already the sum over ranks. Copying it
-    into a "reduced" buffer (and concatenating a bucket first) would be two passes over the unit's
-    gradients per backward that change no value (counting bytes, most of what zero3 moved at world size
-    1 beyond a plain single-device run's gradients). So the row itself is accumulated into the
-    gradient shard at once (there is nothing to overlap with), and each buffer goes back to the pool
-    once that has read it, ready for the next unit's gradients. No collective is issued, so the
+    into a "reduced" buffer (after concatenating a bucket's buffers) would be a pass over the unit's
+    gradients per backward, two for a bucket, that changes no value. So the row itself is accumulated
+    into the gradient shard at once (there is nothing to overlap with), and each buffer goes back to the
+    pool once that has read it, ready for the next unit's gradients. No collective is issued, so the
     communication figures count no reduce-scatter at world size 1.
     """
     first, pool = packed[0].buffer, packed[0].group.pool
