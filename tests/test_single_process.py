@@ -4,6 +4,8 @@ the model trained without zero3 (see [Note: one process keeps its units gathered
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 
 import lightning.pytorch as pl
@@ -13,6 +15,7 @@ from gpt import GPT, GPTConfig, GPTModule, random_tokens
 from torch.utils.data import DataLoader
 
 from lightning_zero3 import Zero3Config, Zero3Engine, Zero3Strategy
+from lightning_zero3.engine import grads
 from lightning_zero3.engine.shard import DtypePolicy
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
@@ -51,9 +54,32 @@ def runs():
         model.load_state_dict(out["initial"])
         engine = Zero3Engine(model, Zero3Config(persistence_threshold=100, tune_collectives=False, **settings),
                              dtypes=dtypes)  # fmt: skip
-        losses, optimizer = _train(model, engine)
-        out[name] = {"losses": losses, "engine": engine, "model": model, "optimizer": optimizer}
+        with _counting_packs() as packs:
+            losses, optimizer = _train(model, engine)
+        out[name] = {"losses": losses, "engine": engine, "model": model, "optimizer": optimizer, "packs": packs}
     return out
+
+
+@contextlib.contextmanager
+def _counting_packs():
+    """Counts, per group name, the gradients packed by copying: a staging buffer filled parameter by
+    parameter ("copied"), or a gradient autograd did not leave in its landing view ("strays")."""
+    counts: collections.Counter = collections.Counter()
+    copies, strays = grads._pack_copies, grads._strays
+
+    def counting_copies(buffer, group, used, divisor):
+        counts["copied", group.name] += 1
+        return copies(buffer, group, used, divisor)
+
+    def counting_strays(group, landing, used):
+        found = strays(group, landing, used)
+        counts["strays", group.name] += len(found)
+        return found
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grads, "_pack_copies", counting_copies)
+        patch.setattr(grads, "_strays", counting_strays)
+        yield counts
 
 
 def test_one_process_keeps_every_unit_gathered_and_gathers_nothing(runs):
@@ -81,6 +107,15 @@ def test_one_process_reduces_its_gradients_without_a_collective_and_gives_every_
     assert len(pools) == 1
     (pool,) = pools.values()
     assert pool.idle_bytes == engine.ledger.held[pool.category] > 0  # every packed buffer back in the pool
+
+
+@pytest.mark.parametrize("name", ["alone", "sharded", "alone-bf16", "sharded-bf16", "alone-offload"])
+def test_every_group_reduces_the_buffer_its_gradients_landed_in(runs, name):
+    # [Note: the persistent group lands when backward begins] in hooks.py, and with a bf16 compute dtype
+    # [Note: one rank accumulates its landing buffer] in grads.py: nothing is packed by copying
+    engine, packs = runs[name]["engine"], runs[name]["packs"]
+    assert engine.persistent is not None and engine.persistent.trainable
+    assert dict(packs) == {("strays", rt.group.name): 0 for rt in engine.runtimes if rt.trainable}
 
 
 def test_units_are_released_as_with_several_ranks_when_sharding_is_asked_for(runs):

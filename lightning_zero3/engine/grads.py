@@ -66,7 +66,8 @@ MAX_INFLIGHT_REDUCES = 2
 
 class Packed(NamedTuple):
     """One group's gradients ready to reduce: ``buffer`` is (world, shard_numel), row r the slice rank r
-    receives, in the group's padded full layout."""
+    receives, in the group's padded full layout; in the reduce dtype, or with one rank in the compute
+    dtype ([Note: one rank accumulates its landing buffer])."""
 
     group: FlatGroup
     buffer: torch.Tensor
@@ -105,7 +106,8 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
     [Note: the landing buffer is sent]
     The gradients of a unit land in one zeroed buffer in the padded full layout (see [Note: gradients
     land in a pooled buffer] in shard.py), which is the layout the reduce-scatter reads. So when the
-    reduce dtype is the compute dtype, that buffer itself is sent: no copy of the unit, and no division
+    reduce dtype is the compute dtype (or there is one rank: [Note: one rank accumulates its landing
+    buffer]), that buffer itself is sent: no copy of the unit, and no division
     either where it is exact after the sum. Only a gradient that autograd did not leave in its landing
     view (another dtype, a replaced ``.grad``) is copied into place.
 
@@ -122,14 +124,12 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
     landing = group.landing
     with engine_access():  # the unit is released by now: its parameters' ``.grad`` read in bulk
         used = [group.had_gradient(slot) for slot in slots]
-        if landing is not None and landing.dtype == group.reduce_dtype:  # [Note: the landing buffer is sent]
+        strays = [] if landing is None else _strays(group, landing, used)
+        if landing is not None and _sends_landing(group, landing, world, strays):
             group.landing = None  # the reduction owns it now
-            base, size = landing.data_ptr(), landing.element_size()
-            for slot, had in zip(slots, used):
-                grad = slot.param.grad
-                if had and grad is not None and grad.data_ptr() != base + slot.offset * size:  # not its landing view
-                    landing[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
-            if not divide_after:
+            for slot, grad in strays:
+                landing[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
+            if not divide_after and world > 1:
                 landing.div_(world)
             buffer = landing.view(world, width)
         else:
@@ -137,6 +137,36 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
             _pack_copies(buffer, group, used, 1 if divide_after else world)
     group.gradients_packed()
     return Packed(group, buffer, used, ends_alike, divide_after, [])
+
+
+def _strays(group: FlatGroup, landing: torch.Tensor, used: list[bool]) -> list:
+    """``(slot, grad)`` for each gradient that autograd did not leave in its landing view (another dtype, a
+    ``.grad`` replaced by the user or set before the landing buffer was)."""
+    base, size = landing.data_ptr(), landing.element_size()
+    strays = []
+    for slot, had in zip(group.trainable_slots, used):
+        grad = slot.param.grad
+        if had and grad is not None and grad.data_ptr() != base + slot.offset * size:
+            strays.append((slot, grad))
+    return strays
+
+
+def _sends_landing(group: FlatGroup, landing: torch.Tensor, world: int, strays: list) -> bool:
+    """Whether the landing buffer itself is what ``reduce_packed`` gets: [Note: the landing buffer is sent].
+
+    [Note: one rank accumulates its landing buffer]
+    With one rank nothing travels, so the reduce dtype is only a step between the compute dtype the
+    gradients land in and the master dtype of the gradient shard. Where it differs from the compute
+    dtype it is fp32 (the only other choice), and the compute dtype is bf16 or fp16, which convert to
+    fp32 exactly, as they do to the fp32 master. So the landing buffer (bf16 under ``bf16-mixed``) is
+    accumulated into the gradient shard as it is, one cast in one pass, giving the very values of
+    converting it to the reduce dtype first: that conversion was a copy per parameter (a kernel each
+    on a GPU) into a staging buffer, then a second pass over the unit.
+    A stray gradient would be rounded into the landing dtype, so with one the copies stay; with the
+    optimizer offloaded the host store takes the reduce dtype, and they stay too."""
+    if landing.dtype == group.reduce_dtype:
+        return True
+    return world == 1 and group.store is None and not strays
 
 
 def _pack_copies(buffer: torch.Tensor, group: FlatGroup, used: list[bool], divisor: int) -> None:

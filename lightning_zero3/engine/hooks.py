@@ -110,6 +110,7 @@ class HookManager:
         residency: Optional[Residency] = None,
     ) -> None:
         self.root = root
+        self.persistent = persistent
         self.residency = residency  # units kept gathered across evaluation calls (residency.py)
         self.read_ahead = read_ahead  # units whose parameter shards are read from NVMe ahead of use
         self.coalesce_below = coalesce_below  # units smaller than this share one all-gather
@@ -195,8 +196,28 @@ class HookManager:
             if self._root_depth == 0:
                 self.schedule.end_forward()
                 self._release_unheld()  # prefetched beyond where this pass stopped
-                if any(t.requires_grad for t in _tensors_in(output)):
+                needing = [t for t in _tensors_in(output) if t.requires_grad]
+                if needing:
                     self._gather_ahead_for_backward()
+                    if self.persistent is not None and self.persistent.trainable:
+                        self._begin_backward_at(needing)
+
+    def _begin_backward_at(self, tensors: list[torch.Tensor]) -> None:
+        """[Note: the persistent group lands when backward begins]
+        The persistent group has no module of its own, so no unit's pre-backward hook lands its
+        gradients (see [Note: gradients land in a pooled buffer] in shard.py); left alone, autograd
+        allocated each of its parameters' gradients, and packing copied them one by one, a kernel each
+        on a GPU: the biases and norms of every block under ``persistence_threshold``, and the whole
+        model where every parameter is small. So the group lands when backward begins: at a hook on the
+        root module's outputs, which fires before any parameter's gradient (the root unit's own
+        pre-backward hook sits there too where the root owns sharded parameters), or else at whichever
+        hook of the backward fires first (a gradient that arrived before is packed from where it is)."""
+
+        def hook(grad: torch.Tensor) -> None:
+            self._begin_backward()
+
+        for tensor in tensors:
+            tensor.register_hook(hook)
 
     def _gather_ahead_for_backward(self) -> None:
         """A forward that backward will follow ended: agree now on the first gathers of the backward, so
@@ -304,6 +325,9 @@ class HookManager:
             self._backward_running = True
             self.schedule.begin("backward")
             self.queue.begin(self.schedule.traces["backward"])
+            if self.persistent is not None:
+                # [Note: the persistent group lands when backward begins]
+                self.persistent.group.land_gradients()
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
