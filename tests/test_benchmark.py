@@ -113,6 +113,22 @@ def test_profile_step_charges_the_step_to_zero3s_parts():
     assert figures["calls"]["hooks"] > 0 and len(figures["top"]) == 3
 
 
+def test_step_phases_splits_each_step_of_zero3_and_ddp_into_forward_backward_and_optimizer():
+    """``examples/step_phases.py``: a figure for every strategy, phase and run, the compute thread's CPU
+    time within the phase's wall time (one thread cannot use more)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import step_phases
+
+    results = step_phases.main(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+                                "--steps", "4", "--warmup", "2", "--runs", "1", "--strategies", "zero3,ddp"])  # fmt: skip
+    assert set(results) == {"zero3", "ddp"}
+    for strategy, runs in results.items():
+        (run,) = runs
+        assert set(run) == {phase for phase, _, _ in step_phases.PHASES}
+        for phase, (wall, cpu, preempted) in run.items():
+            assert 0 < cpu <= wall * 1.01 + 0.1 and preempted >= 0, (strategy, phase)
+
+
 def test_collective_cost_times_every_way_zero3_and_ddp_move_a_unit():
     cmd = [sys.executable, str(ROOT / "examples" / "collective_cost.py"), "--numel", "65536", "--repeats", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
