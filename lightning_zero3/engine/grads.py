@@ -163,7 +163,8 @@ def _sends_landing(group: FlatGroup, landing: torch.Tensor, world: int, strays: 
     converting it to the reduce dtype first: that conversion was a copy per parameter (a kernel each
     on a GPU) into a staging buffer, then a second pass over the unit.
     A stray gradient would be rounded into the landing dtype, so with one the copies stay; with the
-    optimizer offloaded the host store takes the reduce dtype, and they stay too."""
+    optimizer offloaded they stay too (the host store's copies are written for the reduce dtype and
+    were left as they are)."""
     if landing.dtype == group.reduce_dtype:
         return True
     return world == 1 and group.store is None and not strays
