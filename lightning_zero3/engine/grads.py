@@ -124,8 +124,8 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
     landing = group.landing
     with engine_access():  # the unit is released by now: its parameters' ``.grad`` read in bulk
         used = [group.had_gradient(slot) for slot in slots]
-        strays = [] if landing is None else _strays(group, landing, used)
-        if landing is not None and _sends_landing(group, landing, world, strays):
+        strays = None if landing is None else _strays_if_sent(group, landing, world, used)
+        if strays is not None:  # the landing buffer is sent
             group.landing = None  # the reduction owns it now
             for slot, grad in strays:
                 landing[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
@@ -151,8 +151,10 @@ def _strays(group: FlatGroup, landing: torch.Tensor, used: list[bool]) -> list:
     return strays
 
 
-def _sends_landing(group: FlatGroup, landing: torch.Tensor, world: int, strays: list) -> bool:
-    """Whether the landing buffer itself is what ``reduce_packed`` gets: [Note: the landing buffer is sent].
+def _strays_if_sent(group: FlatGroup, landing: torch.Tensor, world: int, used: list[bool]) -> Optional[list]:
+    """The stray gradients to copy into the landing buffer if the buffer itself is what ``reduce_packed``
+    gets ([Note: the landing buffer is sent]); None if it is not (the gradients are then packed by copies,
+    and nothing is looked for parameter by parameter first).
 
     [Note: one rank accumulates its landing buffer]
     With one rank nothing travels, so the reduce dtype is only a step between the compute dtype the
@@ -166,8 +168,11 @@ def _sends_landing(group: FlatGroup, landing: torch.Tensor, world: int, strays: 
     optimizer offloaded they stay too (the host store's copies are written for the reduce dtype and
     were left as they are)."""
     if landing.dtype == group.reduce_dtype:
-        return True
-    return world == 1 and group.store is None and not strays
+        return _strays(group, landing, used)
+    if world == 1 and group.store is None:
+        strays = _strays(group, landing, used)
+        return None if strays else strays
+    return None
 
 
 def _pack_copies(buffer: torch.Tensor, group: FlatGroup, used: list[bool], divisor: int) -> None:
