@@ -65,6 +65,7 @@ import functools
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -306,6 +307,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     global LOG_DIR
     LOG_DIR = args.logs
+    # a TERM (`timeout`, a session ending) unwinds like an exception, so the running child's process
+    # group is ended with it (run_child) instead of outliving this script
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.perf_counter()
     print(describe_machine(args.accelerator), flush=True)
     parts = args.parts.split(",")
@@ -364,23 +368,34 @@ LOG_DIR: Optional[Path] = None
 
 
 def run_child(name: str, cmd: list[str], timeout: float, **kwargs: Any) -> Optional[str]:
-    """Run one child process; None when it exited 0, else why not (its exit status and last lines)."""
+    """Run one child process; None when it exited 0, else why not (its exit status and last lines).
+
+    Its output goes to its log file (``--logs``) as it is written, so a run cut short (by this
+    timeout, or by a device session ending) still leaves the lines each child printed so far: the
+    benchmark prints every run's step time as that run ends. The child starts a process session of
+    its own, and ends with everything it started: a benchmark's worker processes hold the output pipe
+    of whatever waits on this script, and killing the benchmark alone left them running to the end."""
     print(f"running {name} ...", flush=True)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
-    except subprocess.TimeoutExpired as timed_out:
-        done = None  # a timed-out child's output comes as bytes, whatever text=True says
-        output = b"".join(part or b"" for part in (timed_out.stdout, timed_out.stderr)).decode(errors="replace")
-    else:
-        output = f"{done.stdout}{done.stderr}"
     if LOG_DIR is not None:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        (LOG_DIR / f"{name.replace(' ', '_')}.log").write_text(output)
-    if done is None:
+    log_path = LOG_DIR / f"{name.replace(' ', '_')}.log" if LOG_DIR is not None else None
+    with (open(log_path, "w+") if log_path is not None else tempfile.TemporaryFile("w+")) as log:
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
+        try:
+            code: Optional[int] = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        log.seek(0)
+        output = log.read()
+    if code is None:
         return f"{name}: no result after {timeout:.0f} s"
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return f"{name}: exit {done.returncode}: {' / '.join(tail)[-300:]}"
+    if code != 0:
+        tail = output.strip().splitlines()[-3:]
+        return f"{name}: exit {code}: {' / '.join(tail)[-300:]}"
     return None
 
 

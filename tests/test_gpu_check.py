@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,35 @@ def test_the_device_profile_counts_busy_time_once_where_kernels_overlap():
     on_cpu = device_profile.summarize([event("aten::mm", 0, 10, DeviceType.CPU)], wall_s=0.01, steps=1)
     assert on_cpu["busy_s"] is None and "device busy n/a" in device_profile.describe("single", on_cpu)
     assert gpu_check._without_option(["--a", "1", "--steps", "30", "--b"], "--steps") == ["--a", "1", "--b"]
+
+
+def test_a_child_cut_short_leaves_its_lines_and_nothing_running(tmp_path, monkeypatch):
+    """A benchmark that outlives its timeout: what it printed so far is in its log, and the worker it
+    started is ended with it (not left holding the caller's output pipe)."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time\n"
+              "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+              "print('run 1/2 zero3: median step 0.020 s', flush=True)\n"
+              "time.sleep(600)\n")  # fmt: skip
+    monkeypatch.setattr(gpu_check, "LOG_DIR", tmp_path / "logs")
+    started = time.monotonic()
+    failed = gpu_check.run_child("benchmark", [sys.executable, "-c", script], timeout=5)
+    assert time.monotonic() - started < 30
+    assert failed == "benchmark: no result after 5 s"
+    assert "run 1/2 zero3: median step 0.020 s" in (tmp_path / "logs" / "benchmark.log").read_text()
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # killed, then reaped by init
+    stat = Path(f"/proc/{grandchild}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the worker outlived the timed-out child"
+
+
+def test_a_failed_child_reports_its_exit_and_last_lines(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "LOG_DIR", None)
+    script = "import sys; print('loading'); sys.exit('benchmark: CUDA out of memory')"
+    assert gpu_check.run_child("1B", [sys.executable, "-c", script], timeout=60) == (
+        "1B: exit 1: loading / benchmark: CUDA out of memory"
+    )
+    assert gpu_check.run_child("ok", [sys.executable, "-c", "print('fine')"], timeout=60) is None

@@ -170,8 +170,7 @@ def _strays_if_sent(group: FlatGroup, landing: torch.Tensor, world: int, used: l
     if landing.dtype == group.reduce_dtype:
         return _strays(group, landing, used)
     if world == 1 and group.store is None:
-        strays = _strays(group, landing, used)
-        return None if strays else strays
+        return None if _strays(group, landing, used) else []
     return None
 
 

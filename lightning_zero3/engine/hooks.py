@@ -199,8 +199,8 @@ class HookManager:
                 needing = [t for t in _tensors_in(output) if t.requires_grad]
                 if needing:
                     self._gather_ahead_for_backward()
-                    if self.persistent is not None and self.persistent.trainable:
-                        self._begin_backward_at(needing)
+                    if self.root is None and self.persistent is not None and self.persistent.trainable:
+                        self._begin_backward_at(needing)  # a root unit's pre-backward hook does it otherwise
 
     def _begin_backward_at(self, tensors: list[torch.Tensor]) -> None:
         """[Note: the persistent group lands when backward begins]
@@ -209,9 +209,10 @@ class HookManager:
         allocated each of its parameters' gradients, and packing copied them one by one, a kernel each
         on a GPU: the biases and norms of every block under ``persistence_threshold``, and the whole
         model where every parameter is small. So the group lands when backward begins: at a hook on the
-        root module's outputs, which fires before any parameter's gradient (the root unit's own
-        pre-backward hook sits there too where the root owns sharded parameters), or else at whichever
-        hook of the backward fires first (a gradient that arrived before is packed from where it is)."""
+        root module's outputs, which fires before any parameter's gradient (where the root owns sharded
+        parameters, the root unit's own pre-backward hook on those outputs does it, and no second hook is
+        added), or else at whichever hook of the backward fires first (a gradient that arrived before is
+        packed from where it is)."""
 
         def hook(grad: torch.Tensor) -> None:
             self._begin_backward()
