@@ -22,6 +22,7 @@ kernels are reported as missing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -130,7 +131,9 @@ def profile(strategy: str, args: argparse.Namespace) -> dict:
     trainer = pl.Trainer(strategy=chosen, accelerator=args.accelerator, devices=1, max_steps=args.steps,
                          precision=args.precision, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[window])  # fmt: skip
-    trainer.fit(GPTModule(model_config(args)), DataLoader(dataset(args), batch_size=args.batch_size))
+    with torch.device("cuda") if cuda else contextlib.nullcontext():  # built on the GPU, as in benchmark.py
+        module = GPTModule(model_config(args))
+    trainer.fit(module, DataLoader(dataset(args), batch_size=args.batch_size))
     assert window.wall > 0, "the profiled steps never ended"
     return summarize(window.profiler.events(), window.wall, steps)
 
