@@ -198,6 +198,10 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> 
     return {"config": config, "host": host_facts(), "rows": rows, "skipped": skipped}
 
 
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"  # None: no DDP row in the run
+
+
 def table(summary: dict, args) -> str:
     head = ("strategy", "step s", "CPU s/step", "tokens/s", "x DDP", "peak RSS/rank MiB", "model states/rank MiB",
             "x DDP", "exposed comm", "losses vs DDP")  # fmt: skip
@@ -214,10 +218,10 @@ def table(summary: dict, args) -> str:
             f"{row['step_time_s']:.3f}",
             f"{row['cpu_s_per_step']:.3f}",
             f"{row['tokens_per_s']:.0f}",
-            f"{row.get('step_time_x_ddp', float('nan')):.2f}",
+            _ratio(row.get("step_time_x_ddp")),
             f"{row['peak_rss_bytes'] / 2**20:.0f}",
             f"{row['model_state_bytes'] / 2**20:.1f}",
-            f"{row.get('model_state_x_ddp', float('nan')):.2f}",
+            _ratio(row.get("model_state_x_ddp")),
             f"{share:.1%}" if share is not None else "n/a",
             "n/a" if diff is None else (f"match ({diff:.0e})" if diff <= 1e-4 else f"DIFFER ({diff:.1e})"),
         ))  # fmt: skip

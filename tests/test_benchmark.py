@@ -151,3 +151,5 @@ def test_single_device_row_is_plain_lightning_beside_zero3_at_world_size_one(tmp
     single = rows["single"]
     assert single["step_time_s"] > 0 and single["model_state_bytes"] > 0 and single["peak_rss_bytes"] > 2**20
     assert len(single["losses"]) == 4 and all(0 < loss < 10 for loss in single["losses"])
+    table = done.stdout[done.stdout.index("strategy |") :]
+    assert "nan" not in table and "| n/a" in table  # no DDP row: its ratios are "n/a"
