@@ -307,9 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     global LOG_DIR
     LOG_DIR = args.logs
-    # a TERM (`timeout`, a session ending) unwinds like an exception, so the running child's process
-    # group is ended with it (run_child) instead of outliving this script
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, _end_children_and_exit)
     started = time.perf_counter()
     print(describe_machine(args.accelerator), flush=True)
     parts = args.parts.split(",")
@@ -365,6 +363,23 @@ def describe_machine(accelerator: str) -> str:
 
 #: where each child process's whole output is kept (``--logs``), beside the table's three-line tails
 LOG_DIR: Optional[Path] = None
+#: the process ids of the children running now (the correctness workers run side by side, from threads)
+_RUNNING: set[int] = set()
+
+
+def _end_children_and_exit(signum: int, frame: Any) -> None:
+    """A TERM (``timeout``, a device session ending): end every running child's process group first,
+    so that nothing this script started outlives it, then exit."""
+    for pid in list(_RUNNING):
+        _end_group(pid)
+    sys.exit(128 + signum)
+
+
+def _end_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it ended by itself meanwhile
 
 
 def run_child(name: str, cmd: list[str], timeout: float, **kwargs: Any) -> Optional[str]:
@@ -381,14 +396,16 @@ def run_child(name: str, cmd: list[str], timeout: float, **kwargs: Any) -> Optio
     log_path = LOG_DIR / f"{name.replace(' ', '_')}.log" if LOG_DIR is not None else None
     with (open(log_path, "w+") if log_path is not None else tempfile.TemporaryFile("w+")) as log:
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
+        _RUNNING.add(child.pid)
         try:
             code: Optional[int] = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = None
         finally:
             if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
+                _end_group(child.pid)
                 child.wait()
+            _RUNNING.discard(child.pid)
         log.seek(0)
         output = log.read()
     if code is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -173,27 +174,50 @@ def test_the_device_profile_counts_busy_time_once_where_kernels_overlap():
     assert gpu_check._without_option(["--a", "1", "--steps", "30", "--b"], "--steps") == ["--a", "1", "--b"]
 
 
+def _benchmark_like(pid_file: Path) -> str:
+    """A child that starts a worker of its own, prints a run's line and then never ends."""
+    return ("import subprocess, sys, time\n"
+            "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+            "print('run 1/2 zero3: median step 0.020 s', flush=True)\n"
+            "time.sleep(600)\n")  # fmt: skip
+
+
+def _assert_ended(pid_file: Path) -> None:
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    stat = Path(f"/proc/{worker}/stat")
+    while stat.exists() and stat.read_text().split()[2] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.1)  # killed (then reaped, or a zombie until its new parent reaps it)
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the worker outlived the child"
+
+
 def test_a_child_cut_short_leaves_its_lines_and_nothing_running(tmp_path, monkeypatch):
     """A benchmark that outlives its timeout: what it printed so far is in its log, and the worker it
     started is ended with it (not left holding the caller's output pipe)."""
-    pid_file = tmp_path / "grandchild.pid"
-    script = ("import subprocess, sys, time\n"
-              "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-              f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
-              "print('run 1/2 zero3: median step 0.020 s', flush=True)\n"
-              "time.sleep(600)\n")  # fmt: skip
     monkeypatch.setattr(gpu_check, "LOG_DIR", tmp_path / "logs")
     started = time.monotonic()
-    failed = gpu_check.run_child("benchmark", [sys.executable, "-c", script], timeout=2)
+    failed = gpu_check.run_child("benchmark", [sys.executable, "-c", _benchmark_like(tmp_path / "pid")], timeout=2)
     assert time.monotonic() - started < 30
     assert failed == "benchmark: no result after 2 s"
     assert "run 1/2 zero3: median step 0.020 s" in (tmp_path / "logs" / "benchmark.log").read_text()
-    grandchild = int(pid_file.read_text())
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{grandchild}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)  # killed, then reaped by init
-    stat = Path(f"/proc/{grandchild}/stat")
-    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the worker outlived the timed-out child"
+    _assert_ended(tmp_path / "pid")
+
+
+def test_a_terminated_check_ends_the_children_it_started(tmp_path):
+    """``timeout`` (a TERM) ends gpu_check.py while a child runs: the child and its worker end with it."""
+    pid_file = tmp_path / "pid"
+    script = (f"import signal, sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import gpu_check\n"
+              "signal.signal(signal.SIGTERM, gpu_check._end_children_and_exit)\n"
+              f"gpu_check.run_child('benchmark', [sys.executable, '-c', {_benchmark_like(pid_file)!r}], timeout=600)\n")  # fmt: skip
+    check = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    check.terminate()
+    output, _ = check.communicate(timeout=30)  # the pipe closes only once no child holds it
+    assert check.returncode == 128 + signal.SIGTERM, output.decode(errors="replace")[-2000:]
+    _assert_ended(pid_file)
 
 
 def test_a_failed_child_reports_its_exit_and_last_lines(tmp_path, monkeypatch):
