@@ -465,6 +465,12 @@ class ReductionQueue:
         restore_unused(reduced, self.comm)
         self.order = []
 
+    @property
+    def reducing(self) -> bool:
+        """Whether reductions are in flight: while none are, only a unit whose backward has just ended
+        can move the queue, and every path that ends one calls ``advance`` itself."""
+        return bool(self._inflight)
+
     def _retire(self) -> None:
         while self._inflight and self._inflight[0].ready():
             self._inflight.popleft().wait()

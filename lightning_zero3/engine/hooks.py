@@ -299,7 +299,8 @@ class HookManager:
 
     def _grad_ready(self, runtime: UnitRuntime) -> Callable:
         def hook(param: torch.Tensor) -> None:
-            self._begin_backward()
+            if not self._backward_running:
+                self._begin_backward()
             if runtime.reduced:
                 raise ExecutionOrderError(
                     f"zero3: {getattr(param, '_zero3_name', 'a parameter')} of unit {runtime.name!r} received its "
@@ -311,7 +312,7 @@ class HookManager:
             runtime.group.note_arrival(param)
             if runtime.all_grads_in():
                 self._backward_over(runtime)
-            else:
+            elif self.queue.reducing:  # else there is nothing to retire, and no new turn (a hook per parameter)
                 self.queue.advance()
 
         return hook

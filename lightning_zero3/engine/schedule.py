@@ -193,6 +193,9 @@ class Schedule:
         # Gathers in flight once this start is over. Gathers agreed on ahead are issued at the next start
         # (see [Note: checks run a unit ahead] in agreement.py), when the unit starting now is no longer
         # in flight: it is not counted then, so the same number of gathers is issued ahead of need.
+        candidates = [unit for unit in trace[start:] if not unit.group.gathered and unit.group.pending is None]
+        if not candidates:  # everything ahead is gathered or on its way (one process keeps every unit so)
+            return []
         issued_next = starting if self.check.checks_ahead else None
         live = inflight = 0  # elements gathered or on their way; gathers in flight (one pass: every start asks)
         for rt in self.units:
@@ -202,8 +205,8 @@ class Schedule:
             elif rt.group.gathered:
                 live += rt.group.full.numel()
         chosen, budget = [], self.prefetch_numel
-        for unit in trace[start:]:
-            if unit.group.gathered or unit.group.pending is not None or unit in chosen:
+        for unit in candidates:
+            if unit in chosen:
                 continue
             size = unit.group.full.numel()
             if size > budget or inflight >= MAX_INFLIGHT_GATHERS or live + size > self.max_live_numel:
