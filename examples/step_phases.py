@@ -21,7 +21,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -97,11 +96,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(strategy: str, argv: list[str]) -> dict:
+    """One run of ``strategy`` in processes of its own; a failed run ends the command with the worker's
+    last lines (the benchmark's launch and reading of results, examples/processes.py)."""
+    from processes import read_result, run_worker
+
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        command = [sys.executable, __file__, *argv, "--worker", strategy, "--result", str(result)]
-        subprocess.run(command, check=True, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        return json.loads(result.read_text())
+        worker_argv = [__file__, *argv, "--worker", strategy, "--result", str(result)]
+        code, output = run_worker(worker_argv, {**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=3600)
+        outcome = read_result(result, code, output)
+    if isinstance(outcome, str):
+        raise SystemExit(f"step_phases.py: {strategy}: {outcome}")
+    return outcome
 
 
 def table(results: dict[str, list[dict]]) -> str:
