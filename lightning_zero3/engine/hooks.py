@@ -299,7 +299,7 @@ class HookManager:
 
     def _grad_ready(self, runtime: UnitRuntime) -> Callable:
         def hook(param: torch.Tensor) -> None:
-            if not self._backward_running:
+            if not self._backward_running:  # _begin_backward's own check, inline: this hook runs per parameter
                 self._begin_backward()
             if runtime.reduced:
                 raise ExecutionOrderError(

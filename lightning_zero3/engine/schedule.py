@@ -190,12 +190,12 @@ class Schedule:
         return list(dict.fromkeys(chosen))[:count]
 
     def _window(self, trace: list["UnitRuntime"], start: int, starting: Optional["UnitRuntime"]) -> list["UnitRuntime"]:
-        # Gathers in flight once this start is over. Gathers agreed on ahead are issued at the next start
-        # (see [Note: checks run a unit ahead] in agreement.py), when the unit starting now is no longer
-        # in flight: it is not counted then, so the same number of gathers is issued ahead of need.
         candidates = [unit for unit in trace[start:] if not unit.group.gathered and unit.group.pending is None]
         if not candidates:  # everything ahead is gathered or on its way (one process keeps every unit so)
             return []
+        # Gathers in flight once this start is over. Gathers agreed on ahead are issued at the next start
+        # (see [Note: checks run a unit ahead] in agreement.py), when the unit starting now is no longer
+        # in flight: it is not counted then, so the same number of gathers is issued ahead of need.
         issued_next = starting if self.check.checks_ahead else None
         live = inflight = 0  # elements gathered or on their way; gathers in flight (one pass: every start asks)
         for rt in self.units:
