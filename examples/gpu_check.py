@@ -46,11 +46,15 @@ benchmarks run alone. One process keeps every unit gathered by default, so the c
   step), bf16-mixed, at world size 1: zero3, single and FSDP2, eager and then with every block compiled in
   place (``--compile``); ratios to single's step in the same mode, and ``target 1B``: within 1.10x.
 
+- ``85M zero3`` and ``85M single`` (only with ``--parts target``): the 85M GPT of ``benchmark`` under zero3
+  and ``single`` alone, three runs each in turn, and ``target 85M``: the world-size-1 bound (1.25x) in
+  six processes instead of the benchmark part's eight, for a device session that has time for little else.
+
 - ``profile <model> <strategy>`` (only with ``--parts profile``): ``examples/device_profile.py`` on the 85M
   GPT (zero3, DDP, single) and the 1B one (zero3, single): per step, the device's busy and idle time, the
   host's waits for it and the costliest kernels.
 
-``--parts`` runs a subset (``checks``, ``big``, ``benchmark``, ``profile``; default the first three) in the
+``--parts`` runs a subset (``checks``, ``big``, ``benchmark``, ``target``, ``profile``; default the first three) in the
 order given, for a device session too short for all; each part's rows are printed (and ``--json``
 rewritten) as soon as the part ends, so a run cut short still reports what it measured.
 
@@ -110,6 +114,9 @@ BENCHMARK = {"cuda": ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "-
              "cpu": ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
                      "--steps", "5", "--warmup", "2", "--runs", "1"]}  # fmt: skip
 BENCHMARK_STRATEGIES = ("zero3", "ddp", "fsdp2", "single")
+#: the ``target`` part: the 85M GPT under zero3 and single alone, a run more each than the benchmark part
+TARGET = {accelerator: [*options[: options.index("--runs")], "--runs", "3"] for accelerator, options in BENCHMARK.items()}
+TARGET_STRATEGIES = ("zero3", "single")
 #: the world-size-1 comparison: a GPT of about 1B parameters (20 x 2048, 1.07B with its 32000-token
 #: embedding), 4096 tokens a step, eager and with every block compiled
 BIG = {"cuda": ["--n-layer", "20", "--n-embd", "2048", "--n-head", "16", "--block-size", "1024", "--batch-size", "4",
@@ -119,8 +126,10 @@ BIG = {"cuda": ["--n-layer", "20", "--n-embd", "2048", "--n-head", "16", "--bloc
 BIG_STRATEGIES = ("zero3", "single", "fsdp2")
 #: zero3's step at world size 1 against plain single-device Lightning's, at most (the project's targets)
 TARGET_X_SINGLE = {"benchmark": 1.25, "1B": 1.10}
-PARTS = ("checks", "big", "benchmark", "profile")
-DEFAULT_PARTS = ("checks", "big", "benchmark")  # the profile is asked for by name (5 more runs, not yet timed on a GPU)
+PARTS = ("checks", "big", "benchmark", "target", "profile")
+# asked for by name: the profile (5 more runs, not yet timed on a GPU), and the target part (what the
+# benchmark part measures too, alone, for a short session)
+DEFAULT_PARTS = ("checks", "big", "benchmark")
 #: the profile part: examples/device_profile.py at one device, per model, the strategies it compares
 PROFILES = {"85M": (BENCHMARK, ("zero3", "ddp", "single")), "1B": (BIG, ("zero3", "single"))}
 
@@ -325,6 +334,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 new = benchmark(args.accelerator, Path(tmp))
             elif part == "big":
                 new = big_benchmark(args.accelerator, Path(tmp))
+            elif part == "target":
+                new = target(args.accelerator, Path(tmp))
             else:
                 new = device_profiles(args.accelerator, Path(tmp))
             rows += new
@@ -344,8 +355,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--json", type=Path)
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"comma-separated, of {', '.join(PARTS)}, run in the order given: the correctness checks, "
-                        "the ~1B world-size-1 comparison (eager and compiled), the 85M benchmark, where the step's "
-                        f"time goes on the device (examples/device_profile.py); default {','.join(DEFAULT_PARTS)}")
+                        "the ~1B world-size-1 comparison (eager and compiled), the 85M benchmark, the 85M GPT under "
+                        "zero3 and single alone, where the step's time goes on the device (examples/device_profile.py); "
+                        f"default {','.join(DEFAULT_PARTS)}")
     p.add_argument("--jobs", type=int, default=0,
                    help="correctness workers run side by side (default: all of them on a GPU, 2 on the CPU); the "
                         "timing probe and the benchmarks always run alone")
@@ -477,25 +489,32 @@ def verdicts(runs: dict[str, Any]) -> list[Row]:
 
 def benchmark(accelerator: str, tmp: Path) -> list[Row]:
     """The 85M GPT under zero3, DDP, FSDP2 and plain single-device Lightning."""
-    summary, params, header = run_benchmark("benchmark", BENCHMARK[accelerator], BENCHMARK_STRATEGIES, accelerator, tmp)
-    if summary is None:
-        return [header]
-    rows = benchmark_rows(summary, params, peak_flops(accelerator)[0], BENCHMARK_STRATEGIES)
-    return [header, *rows, target_row(summary, "benchmark", TARGET_X_SINGLE["benchmark"])]
+    return timed_rows("benchmark", BENCHMARK[accelerator], BENCHMARK_STRATEGIES, accelerator, tmp, "ddp")
+
+
+def target(accelerator: str, tmp: Path) -> list[Row]:
+    """The 85M GPT under zero3 and plain single-device Lightning only: the world-size-1 target alone."""
+    return timed_rows("85M", TARGET[accelerator], TARGET_STRATEGIES, accelerator, tmp, "single", "benchmark")
 
 
 def big_benchmark(accelerator: str, tmp: Path) -> list[Row]:
     """The ~1B GPT at world size 1: zero3, plain single-device Lightning and FSDP2, eager, then with every
     block compiled in place; ratios to single's step of the same mode."""
     rows = []
-    peak = peak_flops(accelerator)[0]
     for label, extra in (("1B", []), ("1B compiled", ["--compile"])):
-        summary, params, header = run_benchmark(label, BIG[accelerator] + extra, BIG_STRATEGIES, accelerator, tmp)
-        rows.append(header)
-        if summary is not None:
-            rows += benchmark_rows(summary, params, peak, BIG_STRATEGIES, label, reference="single")
-            rows.append(target_row(summary, label, TARGET_X_SINGLE["1B"]))
+        rows += timed_rows(label, BIG[accelerator] + extra, BIG_STRATEGIES, accelerator, tmp, "single", "1B")
     return rows
+
+
+def timed_rows(label: str, options: list[str], strategies: tuple[str, ...], accelerator: str, tmp: Path,
+               reference: str, target_of: Optional[str] = None) -> list[Row]:  # fmt: skip
+    """One ``examples/benchmark.py`` run: its header row, a row per strategy (ratios to ``reference``'s
+    step) and zero3's target row against the bound ``TARGET_X_SINGLE[target_of or label]``."""
+    summary, params, header = run_benchmark(label, options, strategies, accelerator, tmp)
+    if summary is None:
+        return [header]
+    rows = benchmark_rows(summary, params, peak_flops(accelerator)[0], strategies, label, reference)
+    return [header, *rows, target_row(summary, label, TARGET_X_SINGLE[target_of or label])]
 
 
 def device_profiles(accelerator: str, tmp: Path) -> list[Row]:

@@ -149,6 +149,28 @@ def test_world_size_one_rows_compare_with_plain_single_device_lightning():
     assert "not measured" in gpu_check.target_row({"rows": {"zero3": {}}}, "1B", 1.10).detail
 
 
+def test_the_target_part_times_the_85m_gpt_under_zero3_and_single_alone(tmp_path, monkeypatch):
+    ran = []
+
+    def fake_run_benchmark(label, options, strategies, accelerator, tmp):
+        ran.append((label, options, strategies))
+        summary = {"rows": {"zero3": {"step_time_s": 0.026, "tokens_per_s": 3.1e5},
+                            "single": {"step_time_s": 0.021, "tokens_per_s": 3.9e5}}, "skipped": {}}  # fmt: skip
+        return summary, 85_600_000, Row(label, "INFO", "GPT 85.6M parameters")
+
+    monkeypatch.setattr(gpu_check, "run_benchmark", fake_run_benchmark)
+    monkeypatch.setattr(gpu_check, "peak_flops", lambda accelerator: (989e12, "datasheet"))
+    rows = gpu_check.target("cuda", tmp_path)
+    [(label, options, strategies)] = ran
+    assert label == "85M" and strategies == ("zero3", "single")
+    # the benchmark part's model and steps, three runs instead of two
+    assert options == [*gpu_check.BENCHMARK["cuda"][:-2], "--runs", "3"]
+    assert gpu_check.BENCHMARK["cuda"][-2:] == ["--runs", "2"]
+    assert [row.check for row in rows] == ["85M", "85M zero3", "85M single", "target 85M"]
+    assert rows[1].detail.startswith("step 26.0 ms (1.24x single)")
+    assert rows[3].detail == "zero3 1.24x single's step, target <= 1.25x: met"
+    assert "target" in gpu_check.PARTS and "target" not in gpu_check.DEFAULT_PARTS
+
 def test_the_device_profile_counts_busy_time_once_where_kernels_overlap():
     from types import SimpleNamespace
 
