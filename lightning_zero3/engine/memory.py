@@ -466,5 +466,5 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
+                    total += value.nbytes  # one call per tensor: this runs after every optimizer step
     return total
