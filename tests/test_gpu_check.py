@@ -171,6 +171,7 @@ def test_the_target_part_times_the_85m_gpt_under_zero3_and_single_alone(tmp_path
     assert rows[3].detail == "zero3 1.24x single's step, target <= 1.25x: met"
     assert "target" in gpu_check.PARTS and "target" not in gpu_check.DEFAULT_PARTS
 
+
 def test_the_device_profile_counts_busy_time_once_where_kernels_overlap():
     from types import SimpleNamespace
 
