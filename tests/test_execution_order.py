@@ -75,6 +75,43 @@ def test_flags_say_which_parameters_had_a_gradient_and_none_stays_none(engine):
         assert (slot.shard_param.grad is not None) == (slot.name == "blocks.0.fc.weight"), slot.name
 
 
+def test_only_a_unit_without_a_post_backward_signal_counts_its_gradients_by_hooks(engine):
+    # [Note: counting a unit's gradients]: the blocks (fed the embeddings) end by their post-backward
+    # signal and get no hook per parameter; the root, fed token ids, counts its parameters' gradients
+    from routing_models import lm_loss
+
+    from lightning_zero3.engine.released import engine_access
+
+    model, engine = engine
+    u = _units(engine)
+    tokens = torch.randint(0, 32, (2, 6))
+    for _ in range(2):
+        lm_loss(model(tokens), tokens).backward()
+    with engine_access():
+        hooked = {rt.name: [bool(slot.param._post_accumulate_grad_hooks) for slot in rt.group.trainable_slots] for rt in u.values()}
+    assert hooked["<root>"] and all(hooked["<root>"])
+    assert all(not any(flags) for name, flags in hooked.items() if name.startswith("blocks."))
+    assert all(slot.shard_param.grad is not None for rt in u.values() for slot in rt.group.trainable_slots)
+
+
+def test_a_gradient_reaching_a_unit_after_its_reduction_fails_when_backward_ends(engine):
+    # blocks.0's weight also used before the model (gathered by hand): that gradient reaches it after
+    # blocks.0's post-backward signal ended the unit and it was reduced; it is named, not dropped
+    from routing_models import lm_loss
+
+    from lightning_zero3 import gathered_parameters
+
+    model, engine = engine
+    tokens = torch.randint(0, 32, (2, 6))
+    lm_loss(model(tokens), tokens).backward()
+    weight = next(p for n, p in model.blocks[0].named_parameters() if n.endswith("weight") and p.dim() == 2)
+    with gathered_parameters(model.blocks[0]):
+        scale = weight.sum()
+    model.blocks[0].register_forward_pre_hook(lambda module, args: (args[0] * scale,))
+    with pytest.raises(ExecutionOrderError, match=r"blocks\.0\..*used outside its unit's forward"):
+        lm_loss(model(tokens), tokens).backward()
+
+
 def test_a_forward_whose_backward_never_came_does_not_keep_units_gathered_into_the_next(engine):
     # the root and the last block are kept from a forward into its backward; when the next forward starts
     # and that backward has not run, they go (this forward's memory is every step's), and training goes on

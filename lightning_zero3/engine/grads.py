@@ -14,8 +14,9 @@ Accumulation follows torch's own rule, per shard parameter: if its ``.grad`` is 
 [Note: which parameters had a gradient]
 DDP with ``find_unused_parameters=True`` leaves ``.grad`` alone (None after ``zero_grad``) for a
 parameter that no rank used, and gives a parameter that some ranks used the mean over all ranks, zeros
-counting for the others. To do the same, each rank counts which trainable parameters got a gradient
-here (``Packed.used_here``); a parameter without one sends zeros. When backward ends, the ranks tell
+counting for the others. To do the same, each rank tells which trainable parameters got a gradient
+here (``Packed.used_here``, see [Note: which parameters received a gradient] in arrivals.py); a
+parameter without one sends zeros. When backward ends, the ranks tell
 each other on the check group (host integers, no device synchronisation) whether any of them lacked a
 gradient, and only then exchange the flags of every unit reduced (``restore_unused``): a shard gradient
 that this backward created for a parameter no rank used is set back to None. (The flags used to travel
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import torch
 
+from .arrivals import received_gradients
 from .comm import Communicator, Pending
 from .memory import BufferPool
 from .released import engine_access
@@ -119,11 +121,10 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
     if not group.trainable:
         return None
     world, width = comm.world_size, group.shard_numel
-    slots = group.trainable_slots
     divide_after = divides_exactly_after(world, group.reduce_dtype)
     landing = group.landing
     with engine_access():  # the unit is released by now: its parameters' ``.grad`` read in bulk
-        used = [group.had_gradient(slot) for slot in slots]
+        used = received_gradients(group)
         strays = None if landing is None else _strays_if_sent(group, landing, world, used)
         if strays is not None:  # the landing buffer is sent
             group.landing = None  # the reduction owns it now

@@ -4,10 +4,10 @@ Forward:  pre-hook gathers (and prefetches the next units, see ``schedule.py``) 
           inputs that need gradients through ``_PostBackward``; post-hook registers a pre-backward hook on
           the outputs and releases.
 Backward: the pre-backward hook (first gradient reaching an output) re-gathers. The unit's backward is
-          over when every trainable parameter has its gradient, or when ``_PostBackward`` fires, or at
-          the end of backward, whichever comes first: it is released then and, if trainable, handed to
-          the reduction queue (``grads.ReductionQueue``), which reduce-scatters in an order every rank
-          shares.
+          over when ``_PostBackward`` fires, or (a unit without that signal, see [Note: counting a
+          unit's gradients]) when every trainable parameter has its gradient, or at the end of backward,
+          whichever comes first: it is released then and, if trainable, handed to the reduction queue
+          (``grads.ReductionQueue``), which reduce-scatters in an order every rank shares.
 End:      a callback queued on the autograd engine ends every unit's backward, lets the queue finish and
           releases everything not held by a running forward.
 The reasons that keep a unit gathered, and its states within a backward, are in ``runtime.py``.
@@ -21,6 +21,18 @@ the unit's forward created has run (the autograd engine runs ready nodes newest 
 the unit is newer than the identity). A unit called k times waits for its k signals (tokens held by the
 graph, so a graph dropped without backward drops its token). Frozen units are released this way as soon
 as their backward is over, and are not held for backward at all when their outputs need no gradient.
+Every parameter's gradient accumulator runs before the signal does: autograd runs a ready accumulator
+before any other node, and each of the unit's is ready once the unit's nodes that feed it have run.
+
+[Note: counting a unit's gradients]
+A unit whose inputs need no gradient (the root, fed token ids; a block behind frozen embeddings) has
+no post-backward signal. Its backward is over when each trainable parameter's post-accumulate hook has
+fired; the hooks are installed on its parameters at the first forward that finds no input to pass
+through ``_PostBackward``, and only there: a hook per parameter, called from the autograd engine, was
+the costliest host work of a small model's step when every unit had them. A gradient that reaches a
+parameter after its unit was reduced (the parameter is used outside its unit's forward) is an error,
+raised by that hook, or, for a unit with the signal, when backward ends (``_check_no_late_gradients``):
+every rank has sent the unit without it.
 The identity returns detached aliases of its inputs (same storage, same version counter), not the inputs
 themselves, which autograd would turn into views that refuse in-place changes: a module may modify its
 input in place exactly as it could without zero3.
@@ -41,8 +53,7 @@ inside backward (``_current_graph_task_id() != -1``) takes a backward hold, rele
 once the unit's backward is over, and adds no post-backward signal (the original forward's is in the
 graph); the post-forward hook does nothing there. Autograd calls a parameter's accumulate node once per
 backward even when the parameter was used several times (a module called twice, tied weights), so the
-gradient count stays exact. A gradient that arrives after its unit was reduced (a parameter used outside
-its unit's forward) is an error: every rank has already sent that unit.
+gradient count stays exact.
 """
 
 from __future__ import annotations
@@ -125,9 +136,7 @@ class HookManager:
         for module, runtime in ([(root_module, root)] if root else []) + units:
             self._handles.append(module.register_forward_pre_hook(_eager(self._pre_forward(runtime)), with_kwargs=True))
             self._handles.append(module.register_forward_hook(_eager(self._post_forward(runtime))))
-        for runtime in self.runtimes:
-            for slot in runtime.group.trainable_slots:
-                self._handles.append(slot.param.register_post_accumulate_grad_hook(self._grad_ready(runtime)))
+        self._counted: set[int] = set()  # ids of the runtimes whose parameters have counting hooks
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -250,6 +259,7 @@ class HookManager:
         """Pass the inputs that need gradients through ``_PostBackward`` (see [Note: post-backward signal])."""
         found = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
         if not found:
+            self._count_gradients(runtime)
             return None
         token = PostBackwardToken()
         runtime.awaiting.add(token)
@@ -297,19 +307,22 @@ class HookManager:
         if not runtime.awaiting:
             self._backward_over(runtime)
 
+    def _count_gradients(self, runtime: UnitRuntime) -> None:
+        """Install the counting hooks of [Note: counting a unit's gradients] on ``runtime``'s parameters
+        (once; the unit is gathered, in its pre-forward hook)."""
+        if id(runtime) in self._counted or not runtime.trainable:
+            return
+        self._counted.add(id(runtime))
+        for slot in runtime.group.trainable_slots:
+            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._grad_ready(runtime)))
+
     def _grad_ready(self, runtime: UnitRuntime) -> Callable:
         def hook(param: torch.Tensor) -> None:
             if not self._backward_running:  # _begin_backward's own check, inline: this hook runs per parameter
                 self._begin_backward()
             if runtime.reduced:
-                raise ExecutionOrderError(
-                    f"zero3: {getattr(param, '_zero3_name', 'a parameter')} of unit {runtime.name!r} received its "
-                    "gradient after the unit's backward was over and its gradients were sent: the parameter is "
-                    "used outside its unit's forward. Use it only inside that module's forward, or choose "
-                    "`unit_modules` so that every module using it sits in one unit."
-                )
+                raise _late_gradient(runtime, param)
             runtime.grads_ready += 1
-            runtime.group.note_arrival(param)
             if runtime.all_grads_in():
                 self._backward_over(runtime)
             elif self.queue.reducing:  # else there is nothing to retire, and no new turn (a hook per parameter)
@@ -344,6 +357,26 @@ class HookManager:
             self._backward_running = False
         self.schedule.end_backward()  # compares recorded traces across ranks (may raise)
         _check_trainable_set(self.runtimes)
+        _check_no_late_gradients(self.runtimes)
+
+
+def _late_gradient(runtime: UnitRuntime, param: torch.Tensor) -> ExecutionOrderError:
+    """[Note: counting a unit's gradients]: ``param`` got its gradient after its unit was reduced."""
+    return ExecutionOrderError(
+        f"zero3: {getattr(param, '_zero3_name', 'a parameter')} of unit {runtime.name!r} received its "
+        "gradient after the unit's backward was over and its gradients were sent: the parameter is "
+        "used outside its unit's forward. Use it only inside that module's forward, or choose "
+        "`unit_modules` so that every module using it sits in one unit."
+    )
+
+
+def _check_no_late_gradients(runtimes: list[UnitRuntime]) -> None:
+    """Every trainable group was reduced in this backward, and packing dropped its parameters' ``.grad``:
+    one that has a ``.grad`` again received it after that (see [Note: counting a unit's gradients])."""
+    for runtime in runtimes:
+        late = runtime.group.late_gradient()
+        if late is not None:
+            raise _late_gradient(runtime, late)
 
 
 def _check_trainable_set(runtimes: list[UnitRuntime]) -> None:

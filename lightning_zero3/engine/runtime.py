@@ -8,7 +8,8 @@ A unit's full parameters stay gathered while any of four reasons holds; it is re
   - ``resident``: an evaluation stage keeps it gathered across forward calls (see ``residency.py``).
 
 Within one backward pass a unit goes: started (its pre-backward hook ran) -> over (its backward is over:
-every trainable parameter has its gradient, or its post-backward signal fired, or backward ended) ->
+its post-backward signal fired, or, for a unit without one, every trainable parameter has its gradient
+(see [Note: counting a unit's gradients] in hooks.py), or backward ended) ->
 reduced (its gradients were packed for the reduce-scatter, see ``grads.ReductionQueue``).
 """
 
@@ -44,7 +45,7 @@ class UnitRuntime:
         self.backward_started = False  # its pre-backward hook ran
         self.backward_over = False
         self.reduced = False
-        self.grads_ready = 0  # trainable parameters whose gradient arrived
+        self.grads_ready = 0  # trainable parameters whose gradient arrived (units that count them)
         self.grads_expected: int | None = None  # trainable parameters, counted once per backward pass
         self.awaiting = weakref.WeakSet()  # PostBackwardTokens of forward calls whose backward is not over
         self.signals = 0  # PostBackwardTokens made since the last backward ended

@@ -187,7 +187,10 @@ class FlatGroup:
         self.gathered = True
         self.gathers = 0  # all-gathers issued into ``full`` (for tests and the residency profile)
         self.landing: Optional[torch.Tensor] = None  # where this backward's gradients land (land_gradients)
-        self.arrived: set[int] = set()  # parameters autograd gave a gradient in this backward
+        # per trainable slot, whether its ``.grad`` is a view of ``landing``; the landing buffer's version
+        # counter when they were set (see [Note: which parameters received a gradient] in arrivals.py)
+        self.landed: list[bool] = []
+        self.landed_version = 0
         self.pending: Optional[Then] = None  # an all-gather in flight into ``full`` (see gather.py)
         # agrees with every rank on each all-gather before it is issued (set by the engine; see agreement.py)
         self.check: Optional["OrderCheck"] = None
@@ -437,25 +440,22 @@ class FlatGroup:
         +240 MB on 128 units of 4 MB). A gradient that already exists is accumulated into in place, so a
         zeroed view of a pooled buffer, set before the unit's backward starts, receives the gradient with
         no allocation; the buffer is then what the reduce-scatter sends (see [Note: the landing buffer is
-        sent] in grads.py), back to the pool once it has been sent. Which parameters
-        really received a gradient is recorded by the post-accumulate hook (``note_arrival``), since a
-        landing view exists whether or not autograd wrote into it."""
+        sent] in grads.py), back to the pool once it has been sent. A landing view exists whether or not
+        autograd wrote into it: which parameters really received a gradient is told by the buffer's
+        version counter ([Note: which parameters received a gradient] in arrivals.py)."""
         if self.landing is not None or not self.trainable:
             return
         self.landing = self.pool.take(self.full.numel(), self.compute_dtype, self.full.device, zero=True)
         # every parameter's view in one call (the slots lie side by side from offset 0)
         views = torch._utils._unflatten_dense_tensors(self.landing[: self.numel], self.params)
+        landed = []
         for index in self._trainable_index:
             param, view = self.slots[index].param, views[index]
-            if param.grad is None and param.dtype == view.dtype:
+            sets = param.grad is None and param.dtype == view.dtype
+            if sets:
                 param.grad = view
-
-    def note_arrival(self, param: nn.Parameter) -> None:
-        self.arrived.add(id(param))
-
-    def had_gradient(self, slot: ParamSlot) -> bool:
-        """Whether autograd gave ``slot``'s parameter a gradient in this backward (see ``land_gradients``)."""
-        return id(slot.param) in self.arrived if self.landing is not None else slot.param.grad is not None
+            landed.append(sets)
+        self.landed, self.landed_version = landed, self.landing._version
 
     def gradients_packed(self) -> None:
         """The gradients were copied out: drop them and give the landing buffer back."""
@@ -465,7 +465,6 @@ class FlatGroup:
         if self.landing is not None:
             self.pool.give(self.landing)
             self.landing = None
-        self.arrived = set()
 
     # -- views ------------------------------------------------------------------------------------
 
@@ -500,6 +499,12 @@ class FlatGroup:
         with engine_access():  # released parameters: plain attribute reads
             return [slot.name for index, slot in enumerate(self.slots)
                     if slot.param.requires_grad != (index in self._trainable_set)]  # fmt: skip
+
+    def late_gradient(self) -> Optional[nn.Parameter]:
+        """A trainable parameter with a ``.grad`` after this group's gradients were packed, if any
+        (see [Note: counting a unit's gradients] in hooks.py)."""
+        with engine_access():  # released parameters: plain attribute reads
+            return next((slot.param for slot in self.trainable_slots if slot.param.grad is not None), None)
 
 
 def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bool = True) -> None:
