@@ -10,7 +10,9 @@ step on the 85M GPT's structure). Instead:
 - autograd accumulates into an existing ``.grad`` in place, one ``add_`` per parameter per backward
   (however often the parameter was used), and every view of the landing buffer shares the buffer's
   version counter: so when the counter moved by exactly the number of landing views, every one of them
-  received its gradient, which is every step of a model whose parameters all train;
+  received its gradient, which is every step of a model whose parameters all train (a user's in-place
+  write into a landing ``.grad`` during backward, in the same backward as a parameter that got none,
+  would hide that one: it would count as used, and get zeros instead of None if no rank used it);
 - otherwise (an expert no token reached, a ``.grad`` replaced under ``create_graph``) each landed
   parameter is asked whether the running backward executes its gradient accumulator, which is the
   graph's reachability, as DDP's ``find_unused_parameters`` decides it. That needs the backward to be
