@@ -31,20 +31,17 @@ if TYPE_CHECKING:
 
 
 def received_gradients(group: "FlatGroup") -> list[bool]:
-    """Per trainable slot of ``group``, whether it received a gradient in the running backward; read
-    with the engine's access to released parameters (see ``released.engine_access``)."""
+    """Per trainable slot of ``group``, whether it received a gradient in the running backward (every
+    group is packed while it runs); read with the engine's access to released parameters (see
+    ``released.engine_access``)."""
     slots = group.trainable_slots
     if group.landing is None:
         return [slot.param.grad is not None for slot in slots]
     landed = group.landed
-    if group.landing._version - group.landed_version == sum(landed):
-        return [True if sets else slot.param.grad is not None for slot, sets in zip(slots, landed)]
-    return [_reached(slot.param) if sets else slot.param.grad is not None for slot, sets in zip(slots, landed)]
+    every = group.landing._version - group.landed_version == sum(landed)
+    return [(every or _reached(slot.param)) if sets else slot.param.grad is not None for slot, sets in zip(slots, landed)]
 
 
 def _reached(param: torch.Tensor) -> bool:
-    """Whether the running backward executes ``param``'s gradient accumulator (outside a backward, as
-    a test packs a group by hand, whether it has a ``.grad``)."""
-    if torch._C._current_graph_task_id() == -1:
-        return param.grad is not None
+    """Whether the running backward executes ``param``'s gradient accumulator."""
     return torch._C._will_engine_execute_node(get_gradient_edge(param).node)
