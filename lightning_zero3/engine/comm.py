@@ -156,6 +156,13 @@ PAIR_EXCHANGE = "exchange_pair"
 PAIR_READ = "read_pair"
 
 
+def _inside(part: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether ``part``'s memory lies inside ``whole``'s (a shard in its place in a gathered buffer, see
+    [Note: the shard lives in its gathered buffer] in shard.py)."""
+    start = whole.data_ptr()
+    return start <= part.data_ptr() < start + whole.numel() * whole.element_size()
+
+
 class _Works:
     """The works of a batch of point-to-point operations, waited for as one collective's."""
 
@@ -422,6 +429,8 @@ class Communicator:
             return self._finish(Pending(self, None, span, sinks, nbytes, None, inter_node), async_op)
         group = self.secondary_group if over == "secondary" else self.group
         way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0]) if over == "job" else ALL_GATHER_WAYS[0]
+        if way not in (PAIR_EXCHANGE, PAIR_READ) and _inside(shard, output):
+            shard = shard.clone()  # gloo's all-gather is not promised to read an input that is part of its output
         if way in (PAIR_EXCHANGE, PAIR_READ):
             work = self._swap_shards(output, shard, group, way == PAIR_READ)
         elif way == "all_gather_list":
