@@ -23,7 +23,7 @@ from distributed import run_ranks
 from lightning_zero3.callbacks import CommMonitor, MemoryMonitor
 from lightning_zero3.engine import cross_memory
 from lightning_zero3.engine.comm import Communicator
-from lightning_zero3.engine.cross_memory import CrossMemoryError, open_pair
+from lightning_zero3.engine.cross_memory import CrossMemoryError, PeerShard, open_pair
 from lightning_zero3.engine.timing import EventClock, HostClock, clock_for
 
 # -- a fake device module: torch.cuda's names, streams with clocks (milliseconds) -----------------------
@@ -313,6 +313,22 @@ def _pair_case(rank: int, world: int) -> dict:
     halves = torch.cat([everyone[r][r * (numel // world) : (r + 1) * (numel // world)] for r in range(world)])
     gathered_right = all(torch.equal(results[way][1][0], halves) for way in PAIR_WAYS)  # own halves, in rank order
     counted = {kind: comm.stats[kind].count for kind in ("reduce_scatter", "all_gather")}
+    # a fixed shard (in its place in the gathered buffer, at one address): the first gather carries its
+    # address, later ones are a read alone, and see what a step wrote into the peer's shard since
+    comm.choice[("all_gather", numel * 4)] = "read_pair"
+    half = numel // world
+    whole, mine = fulls[0].clone(), slice(rank * half, (rank + 1) * half)
+    peer_shard, fixed_kinds, fixed_right, expected = PeerShard(), [], [], halves.clone()
+    for step in range(3):
+        if step:
+            dist.barrier()  # the peer has read this shard (in training: its reductions, before this step)
+            whole[mine] += 1.0  # an optimizer step, in place
+            expected += 1.0
+            dist.barrier()  # both stepped (in training: the gather's agreement)
+        pending = comm.all_gather(whole, whole[mine], async_op=True, peer_shard=peer_shard)
+        fixed_kinds.append(type(pending._work).__name__)
+        pending.wait()
+        fixed_right.append(torch.equal(whole, expected))
     # ranks out of step (a size that differs): a clear error on both, not a hang
     size = 8 if rank == 0 else 6
     try:
@@ -324,6 +340,7 @@ def _pair_case(rank: int, world: int) -> dict:
     comm.close_side_groups()
     return {"offered": offered, "same": same, "gathered_right": gathered_right, "counted": counted,
             "mismatch": mismatch, "readers": readers, "readers_after_close": _reader_threads(),
+            "fixed_kinds": fixed_kinds, "fixed_right": fixed_right,
             "ways_after_close": comm._pair_ways()}  # fmt: skip
 
 
@@ -336,6 +353,7 @@ def test_two_ranks_may_swap_or_read_halves_and_shards_with_the_same_bits():
         # counted as reduce-scatters and all-gathers (tuning's own calls are not)
         assert result["counted"] == {"reduce_scatter": 9, "all_gather": 18}
         assert "the ranks of the pair swap different sizes" in result["mismatch"]
+        assert result["fixed_kinds"] == ["_Swap", "_Read", "_Read"] and all(result["fixed_right"])
         assert sorted(result["readers"]) == ["zero3-read-gather", "zero3-read-reduce"]
         assert result["readers_after_close"] == [] and result["ways_after_close"] == ("exchange_pair",)
 

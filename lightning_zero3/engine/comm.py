@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .cross_memory import PairChannel, close_pair, open_pair
+from .cross_memory import PairChannel, PeerShard, close_pair, open_pair
 from .timing import Clock, Span, clock_for
 from .topology import Topology, inter_node_bytes
 
@@ -414,11 +414,14 @@ class Communicator:
     # -- sharding collectives (sync or async) -----------------------------------------------------
 
     def all_gather(
-        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, over: str = "job"
+        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, over: str = "job",
+        peer_shard: Optional[PeerShard] = None,
     ) -> Optional[Pending]:
         """Fill ``output`` (``n * shard.numel()`` elements) with the ``shard`` of every rank of the group in
         rank order: ``over="job"`` the job's group (n = world size), ``"secondary"`` this rank's
-        node-local secondary group (see [Note: node-local secondary groups])."""
+        node-local secondary group (see [Note: node-local secondary groups]). ``peer_shard``: ``shard`` is
+        a fixed shard (on every rank alike), read without messages once its address is known ([Note: a
+        fixed shard is read without messages] in cross_memory.py)."""
         nbytes = output.numel() * output.element_size()
         span = self.clock.span()
         sinks, inter_node = self._sinks("all_gather", output, over), self._inter_node("all_gather", nbytes, over)
@@ -432,7 +435,7 @@ class Communicator:
         if way not in (PAIR_EXCHANGE, PAIR_READ) and _inside(shard, output):
             shard = shard.clone()  # gloo's all-gather is not promised to read an input that is part of its output
         if way in (PAIR_EXCHANGE, PAIR_READ):
-            work = self._swap_shards(output, shard, group, way == PAIR_READ)
+            work = self._swap_shards(output, shard, group, way == PAIR_READ, peer_shard)
         elif way == "all_gather_list":
             work = dist.all_gather(list(output.chunk(n)), shard, group=group, async_op=True)
         else:
@@ -463,9 +466,13 @@ class Communicator:
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
         return self._finish(Pending(self, work, span, sinks, nbytes, finish, inter_node), async_op)
 
-    def _swap(self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any, read: bool = False) -> Any:
+    def _swap(
+        self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any, read: bool = False,
+        peer_shard: Optional[PeerShard] = None,
+    ) -> Any:
         """Send ``send`` to the other rank of a two-rank ``group`` and receive its message into ``receive``;
-        ``read``: by reading each other's memory instead ([Note: a pair reads across processes]).
+        ``read``: by reading each other's memory instead ([Note: a pair reads across processes]), without
+        messages where ``peer_shard`` knows where the peer's fixed shard is.
 
         [Note: swap tags]
         Each message carries a tag that both ranks count alike per kind: all-gathers are issued in one
@@ -476,7 +483,7 @@ class Communicator:
         peer = dist.get_global_rank(group, 1 - self.rank) if group is not None else 1 - self.rank
         tag = self._pair_tags[kind] = (self._pair_tags[kind] + 1) % (1 << 30)
         if read and send.device.type == "cpu":
-            return self._channels[kind].swap(send, receive, tag)
+            return self._channels[kind].swap(send, receive, tag, peer_shard)
         return _Works(dist.batch_isend_irecv([
             dist.P2POp(dist.isend, send, peer, group, tag),
             dist.P2POp(dist.irecv, receive, peer, group, tag),
@@ -502,9 +509,13 @@ class Communicator:
         mine = full[me * width : (me + 1) * width]
         return works, lambda: output.add_(mine)
 
-    def _swap_shards(self, output: torch.Tensor, shard: torch.Tensor, group: Any, read: bool = False) -> Any:
+    def _swap_shards(
+        self, output: torch.Tensor, shard: torch.Tensor, group: Any, read: bool = False,
+        peer_shard: Optional[PeerShard] = None,
+    ) -> Any:
         """The all-gather of a group of two ranks as one swap: each sends its ``shard`` and receives the
-        other's straight into its place in ``output``, and copies its own into place meanwhile.
+        other's straight into its place in ``output``, and copies its own into place meanwhile (unless it
+        lives there: [Note: the shard lives in its gathered buffer] in shard.py).
 
         [Note: a pair swaps shards]
         Gloo's all-gather of a 9.6 MB block on two CPU ranks took 4.1-4.5 ms of CPU per call (wall 6.0-7.9
@@ -512,7 +523,7 @@ class Communicator:
         2-core AMD host (family 26). A gather moves the same bytes either way (one shard each way); the
         swap skips gloo's collective machinery (its worker thread and its staging of the output)."""
         me, width = self.rank, shard.numel()
-        works = self._swap("all_gather", shard, output[(1 - me) * width : (2 - me) * width], group, read)
+        works = self._swap("all_gather", shard, output[(1 - me) * width : (2 - me) * width], group, read, peer_shard)
         mine = output[me * width : (me + 1) * width]
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)

@@ -15,6 +15,18 @@ one copy, 0.34 ms for the same 4.8 MB there. A swap over a ``PairChannel``:
   (then the peer may reuse the buffer it sent), and waits for the peer's note before the next swap;
 - ``wait`` returns once this rank's copy is done and the peer's note has come: both buffers are free.
 
+[Note: a fixed shard is read without messages]
+A shard that lives in its gathered buffer (see [Note: the shard lives in its gathered buffer] in
+shard.py) stays at one address for the group's life and changes only in the optimizer step (and in
+collectives such as a checkpoint load, which both ranks enter). Every gather is agreed on by both ranks
+before it is issued (agreement.py), so when it is issued the peer is past the step that wrote its shard;
+and the peer's next step needs this rank's reductions, which come after every gather this rank waits
+for. So the address travels once, with the first swap of that shard (a ``PeerShard`` the group keeps,
+filled by the reader thread), and later gathers of the unit are a read alone: no address, no "read"
+note, no gloo message or loop-thread wake-up on either rank (three messages per gather before). Both
+ranks decide alike at issue time (``PeerShard.announced``, set by the first swap), never from what their
+reader threads have done, so the two never disagree about whether a message comes.
+
 The copy runs on a thread of its own because a rank's waits follow its own program, which differs
 between ranks: gathers and reductions interleave differently (see [Note: three process groups] in
 comm.py). A rank that read only inside ``wait`` could block there for a note that the peer sends only
@@ -81,11 +93,44 @@ def read_peer(pid: int, into: torch.Tensor, address: int) -> None:
         done += got
 
 
+class PeerShard:
+    """Where the other rank's fixed shard of one group is (see [Note: a fixed shard is read without
+    messages]): ``announced`` once a swap carrying its address was issued; the address and length once
+    the reader thread has received them."""
+
+    def __init__(self) -> None:
+        self.announced = False
+        self.address: Optional[int] = None
+        self.length = 0
+
+
+class _Read:
+    """A read of the peer's fixed shard, without messages: done once the copy is."""
+
+    def __init__(self, receive: torch.Tensor, peer: PeerShard) -> None:
+        self.receive, self.peer = receive, peer
+        self.done = torch.futures.Future()  # set by the reader thread
+        self.error: Optional[BaseException] = None
+
+    def is_completed(self) -> bool:
+        return self.done.done()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+    def get_future(self) -> Any:
+        return self.done
+
+
 class _Swap:
     """One swap in flight: done once this rank has read the peer's bytes and the peer has read ours."""
 
-    def __init__(self, send: torch.Tensor, receive: torch.Tensor, tag: int, peer: int, group: Any) -> None:
+    def __init__(self, send: torch.Tensor, receive: torch.Tensor, tag: int, peer: int, group: Any,
+                 peer_shard: Optional[PeerShard] = None) -> None:  # fmt: skip
         self.send, self.receive, self.tag = send, receive, tag  # ``send`` alive until the peer has read it
+        self.peer_shard = peer_shard  # where the reader records the peer's address (a fixed shard's first swap)
         # the tensors of the three messages: this rank's address and length, the peer's, the peer's note
         self.mine = torch.tensor([send.data_ptr(), send.nbytes], dtype=torch.int64)
         self.peer_address = torch.empty(2, dtype=torch.int64)
@@ -121,16 +166,23 @@ class PairChannel:
 
     def __init__(self, group: Any, peer: int, peer_pid: int, name: str) -> None:
         self.group, self.peer, self.peer_pid, self.name = group, peer, peer_pid, name
-        self._swaps: "queue.Queue[Optional[_Swap]]" = queue.Queue()
+        self._swaps: "queue.Queue[Optional[_Swap | _Read]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
-    def swap(self, send: torch.Tensor, receive: torch.Tensor, tag: int) -> _Swap:
+    def swap(self, send: torch.Tensor, receive: torch.Tensor, tag: int, peer_shard: Optional[PeerShard] = None) -> Any:
         """Start swapping ``send`` (this rank's bytes) for the peer's into ``receive``; both contiguous
-        host tensors of the same size. ``tag``: the swap's number, counted alike on both ranks."""
+        host tensors of the same size. ``tag``: the swap's number, counted alike on both ranks.
+        ``peer_shard``: ``send`` is a fixed shard and this is where the peer's is: after the first swap,
+        a read alone (see [Note: a fixed shard is read without messages])."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._read_swaps, name=f"zero3-read-{self.name}", daemon=True)
             self._thread.start()
-        pending = _Swap(send, receive, TAG_BASE + 2 * (tag % (1 << 28)), self.peer, self.group)
+        if peer_shard is not None and peer_shard.announced:
+            pending: Any = _Read(receive, peer_shard)
+        else:
+            pending = _Swap(send, receive, TAG_BASE + 2 * (tag % (1 << 28)), self.peer, self.group, peer_shard)
+            if peer_shard is not None:
+                peer_shard.announced = True
         self._swaps.put(pending)
         return pending
 
@@ -146,15 +198,18 @@ class PairChannel:
                 pending.error = error
             pending.done.set_result(None)
 
-    def _read(self, pending: _Swap, note: torch.Tensor) -> None:
+    def _read(self, pending: "_Swap | _Read", note: torch.Tensor) -> None:
+        if isinstance(pending, _Read):  # the peer's fixed shard, where its first swap said it is
+            if pending.peer.address is None:
+                raise CrossMemoryError("zero3: the first swap of this shard with the other rank failed; no address to read")
+            _check_sizes(pending.receive.nbytes, pending.peer.length)
+            read_peer(self.peer_pid, pending.receive, pending.peer.address)
+            return
         pending.address_come.wait()
         address, length = pending.peer_address.tolist()
-        wanted = pending.receive.nbytes
-        if length != wanted:
-            raise CrossMemoryError(
-                f"zero3: the ranks of the pair swap different sizes ({wanted} bytes here, {length} on the other "
-                "rank): their collectives are out of step."
-            )
+        _check_sizes(pending.receive.nbytes, length)
+        if pending.peer_shard is not None:
+            pending.peer_shard.address, pending.peer_shard.length = address, length
         read_peer(self.peer_pid, pending.receive, address)
         told = dist.isend(note, self.peer, self.group, pending.tag + 1)
         # the peer reads this swap as soon as it has our address, whatever else it waits for: waiting
@@ -168,6 +223,14 @@ class PairChannel:
             self._swaps.put(None)
             self._thread.join(timeout=5.0)
             self._thread = None
+
+
+def _check_sizes(wanted: int, length: int) -> None:
+    if length != wanted:
+        raise CrossMemoryError(
+            f"zero3: the ranks of the pair swap different sizes ({wanted} bytes here, {length} on the other "
+            "rank): their collectives are out of step."
+        )
 
 
 def _yama_scope() -> Optional[int]:

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from .comm import Communicator
+from .cross_memory import PeerShard
 from .gather import Then, issue, route_of
 from .memory import (
     GATHERED_PARAMS,
@@ -236,6 +237,9 @@ class FlatGroup:
         self.landed: list[bool] = []
         self.landed_version = 0
         self.pending: Optional[Then] = None  # an all-gather in flight into ``full`` (see gather.py)
+        # where the other rank's shard of this group is, once told ([Note: a fixed shard is read without
+        # messages] in cross_memory.py)
+        self.peer_shard = PeerShard()
         # agrees with every rank on each all-gather before it is issued (set by the engine; see agreement.py)
         self.check: Optional["OrderCheck"] = None
         # how its all-gathers travel, set by the engine (see [Note: gather routes] in gather.py)
