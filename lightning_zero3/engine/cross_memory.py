@@ -104,12 +104,13 @@ class PeerShard:
         self.length = 0
 
 
-class _Read:
-    """A read of the peer's fixed shard, without messages: done once the copy is."""
+class _Copy:
+    """A copy of the peer's bytes into ``receive`` in flight: ``done`` is set by the reader thread once it
+    is over (with ``error`` if it failed); ``peer_shard``: where the peer's fixed shard is, if it is one."""
 
-    def __init__(self, receive: torch.Tensor, peer: PeerShard) -> None:
-        self.receive, self.peer = receive, peer
-        self.done = torch.futures.Future()  # set by the reader thread
+    def __init__(self, receive: torch.Tensor, peer_shard: Optional[PeerShard]) -> None:
+        self.receive, self.peer_shard = receive, peer_shard
+        self.done = torch.futures.Future()
         self.error: Optional[BaseException] = None
 
     def is_completed(self) -> bool:
@@ -121,16 +122,21 @@ class _Read:
             raise self.error
 
     def get_future(self) -> Any:
-        return self.done
+        return self.done  # the communicator's clock stamps the completion on it
 
 
-class _Swap:
+class _Read(_Copy):
+    """A read of the peer's fixed shard, without messages: done once the copy is."""
+
+
+class _Swap(_Copy):
     """One swap in flight: done once this rank has read the peer's bytes and the peer has read ours."""
 
     def __init__(self, send: torch.Tensor, receive: torch.Tensor, tag: int, peer: int, group: Any,
                  peer_shard: Optional[PeerShard] = None) -> None:  # fmt: skip
-        self.send, self.receive, self.tag = send, receive, tag  # ``send`` alive until the peer has read it
-        self.peer_shard = peer_shard  # where the reader records the peer's address (a fixed shard's first swap)
+        # ``peer_shard``: where the reader records the peer's address (a fixed shard's first swap)
+        super().__init__(receive, peer_shard)
+        self.send, self.tag = send, tag  # ``send`` alive until the peer has read it
         # the tensors of the three messages: this rank's address and length, the peer's, the peer's note
         self.mine = torch.tensor([send.data_ptr(), send.nbytes], dtype=torch.int64)
         self.peer_address = torch.empty(2, dtype=torch.int64)
@@ -140,24 +146,14 @@ class _Swap:
         self.sent = dist.isend(self.mine, peer, group, tag)
         self.address_come = dist.irecv(self.peer_address, peer, group, tag)
         self.peer_read = dist.irecv(self.peer_note, peer, group, tag + 1)
-        self.done = torch.futures.Future()  # set by the reader thread: both copies are over
-        self.error: Optional[BaseException] = None
         self._waited = False
-
-    def is_completed(self) -> bool:
-        return self.done.done()
 
     def wait(self) -> None:
         if self._waited:
             return
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
+        super().wait()
         self.sent.wait()
         self._waited = True
-
-    def get_future(self) -> Any:
-        return self.done  # the communicator's clock stamps the completion on it
 
 
 class PairChannel:
@@ -166,10 +162,10 @@ class PairChannel:
 
     def __init__(self, group: Any, peer: int, peer_pid: int, name: str) -> None:
         self.group, self.peer, self.peer_pid, self.name = group, peer, peer_pid, name
-        self._swaps: "queue.Queue[Optional[_Swap | _Read]]" = queue.Queue()
+        self._swaps: "queue.Queue[Optional[_Copy]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
-    def swap(self, send: torch.Tensor, receive: torch.Tensor, tag: int, peer_shard: Optional[PeerShard] = None) -> Any:
+    def swap(self, send: torch.Tensor, receive: torch.Tensor, tag: int, peer_shard: Optional[PeerShard] = None) -> _Copy:
         """Start swapping ``send`` (this rank's bytes) for the peer's into ``receive``; both contiguous
         host tensors of the same size. ``tag``: the swap's number, counted alike on both ranks.
         ``peer_shard``: ``send`` is a fixed shard and this is where the peer's is: after the first swap,
@@ -178,7 +174,7 @@ class PairChannel:
             self._thread = threading.Thread(target=self._read_swaps, name=f"zero3-read-{self.name}", daemon=True)
             self._thread.start()
         if peer_shard is not None and peer_shard.announced:
-            pending: Any = _Read(receive, peer_shard)
+            pending: _Copy = _Read(receive, peer_shard)
         else:
             pending = _Swap(send, receive, TAG_BASE + 2 * (tag % (1 << 28)), self.peer, self.group, peer_shard)
             if peer_shard is not None:
@@ -198,12 +194,13 @@ class PairChannel:
                 pending.error = error
             pending.done.set_result(None)
 
-    def _read(self, pending: "_Swap | _Read", note: torch.Tensor) -> None:
+    def _read(self, pending: _Copy, note: torch.Tensor) -> None:
         if isinstance(pending, _Read):  # the peer's fixed shard, where its first swap said it is
-            if pending.peer.address is None:
+            peer_shard = pending.peer_shard
+            if peer_shard.address is None:
                 raise CrossMemoryError("zero3: the first swap of this shard with the other rank failed; no address to read")
-            _check_sizes(pending.receive.nbytes, pending.peer.length)
-            read_peer(self.peer_pid, pending.receive, pending.peer.address)
+            _check_sizes(pending.receive.nbytes, peer_shard.length)
+            read_peer(self.peer_pid, pending.receive, peer_shard.address)
             return
         pending.address_come.wait()
         address, length = pending.peer_address.tolist()

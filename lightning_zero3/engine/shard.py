@@ -158,13 +158,12 @@ class FlatGroup:
         # one process, its master in the compute dtype: the master (the shard) is the full buffer (set below);
         # not so under offload, whose master lives in its tier
         self.master_is_full = stays_gathered and offload is None and self.compute_dtype == self.dtype
-        self.element_size = torch.empty((), dtype=self.dtype).element_size()  # of the master
         self.shard_in_full = (
             shard_may_live_in_full and world == 2 and device.type == "cpu" and offload is None and not persistent
-            and self.compute_dtype == self.dtype and self.shard_numel * self.element_size >= SHARD_IN_FULL_FROM
+            and self.compute_dtype == self.dtype and self.shard_numel * self.dtype.itemsize >= SHARD_IN_FULL_FROM
         )  # fmt: skip
         if self.shard_in_full:  # the shard's pages, and so the gathered rest, start on a page boundary
-            per_page = max(1, mmap.PAGESIZE // self.element_size)
+            per_page = max(1, mmap.PAGESIZE // self.dtype.itemsize)
             self.shard_numel = -(-self.shard_numel // per_page) * per_page
         if not (self.master_is_full or self.shard_in_full):
             # small pages unless offload refills it from its tier at every gather: [Note: shards are in small pages]
@@ -291,7 +290,7 @@ class FlatGroup:
     def _shard_in_full_nbytes(self) -> int:
         """Bytes of ``full`` that are the shard itself (never released): see [Note: the shard lives in its
         gathered buffer]."""
-        return self.shard_numel * self.element_size if self.shard_in_full else 0
+        return self.shard_numel * self.dtype.itemsize if self.shard_in_full else 0
 
     @property
     def _gathered_nbytes(self) -> int:
