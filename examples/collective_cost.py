@@ -33,11 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_zero3.engine.cross_memory import PairChannel, open_pair
-
 BENCHMARK_BLOCK = 12 * 448 * 448 + 13 * 448  # one block of examples/benchmark.py's GPT (8 x 448)
-GATHERS = ("all_gather", "swap shards", "read shards")  # the ways zero3 may gather a unit
-REDUCTIONS = ("reduce_scatter", "all_reduce + slice", "swap halves", "read halves")  # ... and reduce its gradients
+GATHERS = ("all_gather", "swap shards")  # the ways zero3 may gather a unit
+REDUCTIONS = ("reduce_scatter", "all_reduce + slice", "swap halves")  # ... and reduce its gradients
 
 
 def _timed(call: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[float, float]:
@@ -81,42 +79,17 @@ def _rank(rank: int, world: int, port: int, numel: int, repeats: int, queue) -> 
         for work in works:
             work.wait()
 
-    # two ranks of one host: [Note: a pair reads across processes] in lightning_zero3/engine/cross_memory.py
-    peer_pid = open_pair(_gather_objects, rank) if world == 2 else None
-    channel = PairChannel(None, peer, peer_pid, "cost") if peer_pid is not None else None
-    tags = iter(range(1 << 20))
-
-    def read_halves() -> None:
-        channel.swap(full[peer * width : (peer + 1) * width], shard, next(tags)).wait()
-        shard.add_(full[rank * width : (rank + 1) * width])
-
-    def read_shards() -> None:
-        swapped = channel.swap(shard, gathered[peer * width : (peer + 1) * width], next(tags))
-        gathered[rank * width : (rank + 1) * width].copy_(shard)
-        swapped.wait()
-
     rows = {"all_gather": _timed(lambda: dist.all_gather_single(gathered, shard), repeats)}
     if world == 2:
         rows["swap shards"] = _timed(swap_shards, repeats)
-    if channel is not None:
-        rows["read shards"] = _timed(read_shards, repeats)
     rows["reduce_scatter"] = _timed(lambda: dist.reduce_scatter_single(shard, full), repeats)
     rows["all_reduce + slice"] = _timed(all_reduce_slice, repeats)
     if world == 2:
         rows["swap halves"] = _timed(swap_halves, repeats)
-    if channel is not None:
-        rows["read halves"] = _timed(read_halves, repeats)
-        channel.close()
     rows["all_reduce"] = _timed(lambda: dist.all_reduce(full), repeats)
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
-
-
-def _gather_objects(obj: object) -> list:
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
-    return everyone
 
 
 def measure(numel: int, world: int, repeats: int) -> dict[str, tuple[float, float]]:

@@ -32,11 +32,10 @@ def ranks(fabric_out):
 def test_nothing_of_zero3_runs_on_into_the_interpreters_exit(fabric_out):
     """[Note: process groups closed at exit]: nine Fabrics in one process, none torn down (Fabric never
     calls ``teardown``): once zero3's exit handler has run, no watchdog thread still beats on the store
-    (rank 0's, gone when rank 0 ends), no thread of a pair's memory reads waits for swaps (see [Note: a
-    pair reads across processes]) and no gloo thread is left to be ended by the finalization."""
+    (rank 0's, gone when rank 0 ends) and no gloo thread is left to be ended by the finalization."""
     records = [json.loads(file.read_text()) for file in fabric_out.glob("exit-*.json")]
     assert len(records) == 2
-    assert all(record == {"zero3_threads": [], "gloo_threads": 0} for record in records), records
+    assert all(record == {"watchdogs": [], "gloo_threads": 0} for record in records), records
 
 
 @pytest.mark.parametrize("case", ["clip", "accum", "raw"])

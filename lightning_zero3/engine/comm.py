@@ -63,7 +63,6 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .cross_memory import PairChannel, PeerShard, close_pair, open_pair
 from .timing import Clock, Span, clock_for
 from .topology import Topology, inter_node_bytes
 
@@ -152,15 +151,6 @@ ALL_GATHER_WAYS = ("all_gather_single", "all_gather_list")
 REDUCE_SCATTER_WAYS = ("reduce_scatter_single", "all_reduce_slice")
 # a third way of each for groups of two ranks: [Note: a pair swaps halves], [Note: a pair swaps shards]
 PAIR_EXCHANGE = "exchange_pair"
-# and a fourth where the two can read each other's memory: [Note: a pair reads across processes]
-PAIR_READ = "read_pair"
-
-
-def _inside(part: torch.Tensor, whole: torch.Tensor) -> bool:
-    """Whether ``part``'s memory lies inside ``whole``'s (a shard in its place in a gathered buffer, see
-    [Note: the shard lives in its gathered buffer] in shard.py)."""
-    start = whole.data_ptr()
-    return start <= part.data_ptr() < start + whole.numel() * whole.element_size()
 
 
 class _Works:
@@ -234,8 +224,6 @@ class Communicator:
         self.choice: dict[tuple[str, int], str] = {}  # (kind, bytes of the full buffer) -> way, by ``tune``
         # the tag of the last point-to-point swap per kind, counted alike on both ranks ([Note: swap tags])
         self._pair_tags = {"all_gather": 0, "reduce_scatter": 0}
-        # per kind, the channel its swaps may read the peer's memory through (``open_side_groups``)
-        self._channels: dict[str, PairChannel] = {}
         self.peak_busbw: dict[tuple[str, int], float] = {}  # bytes/s, by ``measure_peaks``
         _COMMUNICATORS.add(self)
         self.checks = 0  # identity checks run by ``agree``
@@ -343,14 +331,6 @@ class Communicator:
         check = dist.new_group(ranks, timeout=timeout, backend="gloo", group_desc="zero3_check")
         self.reduce_group, self.check_group = reduce, check
         self._side_groups = [reduce, check]
-        if self.world_size == 2 and backend == "gloo":
-            peer_pid = open_pair(self.all_gather_objects, self.rank)
-            if peer_pid is not None:
-                peer = self.members[1 - self.rank]
-                self._channels = {
-                    "all_gather": PairChannel(self.group, peer, peer_pid, "gather"),
-                    "reduce_scatter": PairChannel(reduce, peer, peer_pid, "reduce"),
-                }
 
     def open_secondary_groups(self, size: int, timeout: Optional[timedelta] = None) -> None:
         """Create the groups of ``size`` consecutive ranks of the job's group that secondary shards are
@@ -382,25 +362,15 @@ class Communicator:
     def close_side_groups(self) -> None:
         """Destroy the groups ``open_side_groups`` and ``open_secondary_groups`` made (local; the collectives
         on them must be done)."""
-        self._close_channels()
         for group in self._side_groups:
             dist.destroy_process_group(group)
         self._side_groups = []
         self.reduce_group = self.check_group = self.group
         self.close_secondary_groups()
 
-    def _close_channels(self) -> None:
-        if self._channels:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels = {}
-            self.choice = {key: way for key, way in self.choice.items() if way != PAIR_READ}
-            close_pair()
-
     def forget_groups(self) -> None:
         """Drop the handles on every process group (the job's included), as the process ends: after
         ``torch.distributed.destroy_process_group`` no collective can run on them anyway."""
-        self._close_channels()
         self.group = self.reduce_group = self.check_group = self.secondary_group = None
         self._side_groups, self._secondary_groups = [], []
 
@@ -414,14 +384,11 @@ class Communicator:
     # -- sharding collectives (sync or async) -----------------------------------------------------
 
     def all_gather(
-        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, over: str = "job",
-        peer_shard: Optional[PeerShard] = None,
+        self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, over: str = "job"
     ) -> Optional[Pending]:
         """Fill ``output`` (``n * shard.numel()`` elements) with the ``shard`` of every rank of the group in
         rank order: ``over="job"`` the job's group (n = world size), ``"secondary"`` this rank's
-        node-local secondary group (see [Note: node-local secondary groups]). ``peer_shard``: ``shard`` is
-        a fixed shard (on every rank alike), read without messages once its address is known ([Note: a
-        fixed shard is read without messages] in cross_memory.py)."""
+        node-local secondary group (see [Note: node-local secondary groups])."""
         nbytes = output.numel() * output.element_size()
         span = self.clock.span()
         sinks, inter_node = self._sinks("all_gather", output, over), self._inter_node("all_gather", nbytes, over)
@@ -432,10 +399,8 @@ class Communicator:
             return self._finish(Pending(self, None, span, sinks, nbytes, None, inter_node), async_op)
         group = self.secondary_group if over == "secondary" else self.group
         way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0]) if over == "job" else ALL_GATHER_WAYS[0]
-        if way not in (PAIR_EXCHANGE, PAIR_READ) and _inside(shard, output):
-            shard = shard.clone()  # gloo's all-gather is not promised to read an input that is part of its output
-        if way in (PAIR_EXCHANGE, PAIR_READ):
-            work = self._swap_shards(output, shard, group, way == PAIR_READ, peer_shard)
+        if way == PAIR_EXCHANGE:
+            work = self._swap_shards(output, shard, group)
         elif way == "all_gather_list":
             work = dist.all_gather(list(output.chunk(n)), shard, group=group, async_op=True)
         else:
@@ -453,8 +418,8 @@ class Communicator:
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
         group = self.reduce_group  # [Note: three process groups]
-        if way in (PAIR_EXCHANGE, PAIR_READ):
-            work, finish = self._swap_halves(output, full, group, way == PAIR_READ)
+        if way == PAIR_EXCHANGE:
+            work, finish = self._swap_halves(output, full, group)
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
         elif way == "all_reduce_slice":
             work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -466,13 +431,8 @@ class Communicator:
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
         return self._finish(Pending(self, work, span, sinks, nbytes, finish, inter_node), async_op)
 
-    def _swap(
-        self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any, read: bool = False,
-        peer_shard: Optional[PeerShard] = None,
-    ) -> Any:
-        """Send ``send`` to the other rank of a two-rank ``group`` and receive its message into ``receive``;
-        ``read``: by reading each other's memory instead ([Note: a pair reads across processes]), without
-        messages where ``peer_shard`` knows where the peer's fixed shard is.
+    def _swap(self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any) -> _Works:
+        """Send ``send`` to the other rank of a two-rank ``group`` and receive its message into ``receive``.
 
         [Note: swap tags]
         Each message carries a tag that both ranks count alike per kind: all-gathers are issued in one
@@ -482,16 +442,12 @@ class Communicator:
         legitimately differs between ranks (see [Note: three process groups])."""
         peer = dist.get_global_rank(group, 1 - self.rank) if group is not None else 1 - self.rank
         tag = self._pair_tags[kind] = (self._pair_tags[kind] + 1) % (1 << 30)
-        if read and send.device.type == "cpu":
-            return self._channels[kind].swap(send, receive, tag, peer_shard)
         return _Works(dist.batch_isend_irecv([
             dist.P2POp(dist.isend, send, peer, group, tag),
             dist.P2POp(dist.irecv, receive, peer, group, tag),
         ]))  # fmt: skip
 
-    def _swap_halves(
-        self, output: torch.Tensor, full: torch.Tensor, group: Any, read: bool = False
-    ) -> tuple[Any, Callable[[], None]]:
+    def _swap_halves(self, output: torch.Tensor, full: torch.Tensor, group: Any) -> tuple[_Works, Callable[[], None]]:
         """The reduce-scatter of a group of two ranks as one swap: each sends the half of ``full`` that the
         other keeps and receives the other's copy of its own half straight into ``output``; the finisher
         adds its own half.
@@ -505,17 +461,13 @@ class Communicator:
         addition of two terms does not depend on their order), so results are bitwise those of the other
         ways."""
         me, width = self.rank, output.numel()
-        works = self._swap("reduce_scatter", full[(1 - me) * width : (2 - me) * width], output, group, read)
+        works = self._swap("reduce_scatter", full[(1 - me) * width : (2 - me) * width], output, group)
         mine = full[me * width : (me + 1) * width]
         return works, lambda: output.add_(mine)
 
-    def _swap_shards(
-        self, output: torch.Tensor, shard: torch.Tensor, group: Any, read: bool = False,
-        peer_shard: Optional[PeerShard] = None,
-    ) -> Any:
+    def _swap_shards(self, output: torch.Tensor, shard: torch.Tensor, group: Any) -> _Works:
         """The all-gather of a group of two ranks as one swap: each sends its ``shard`` and receives the
-        other's straight into its place in ``output``, and copies its own into place meanwhile (unless it
-        lives there: [Note: the shard lives in its gathered buffer] in shard.py).
+        other's straight into its place in ``output``, and copies its own into place meanwhile.
 
         [Note: a pair swaps shards]
         Gloo's all-gather of a 9.6 MB block on two CPU ranks took 4.1-4.5 ms of CPU per call (wall 6.0-7.9
@@ -523,7 +475,7 @@ class Communicator:
         2-core AMD host (family 26). A gather moves the same bytes either way (one shard each way); the
         swap skips gloo's collective machinery (its worker thread and its staging of the output)."""
         me, width = self.rank, shard.numel()
-        works = self._swap("all_gather", shard, output[(1 - me) * width : (2 - me) * width], group, read, peer_shard)
+        works = self._swap("all_gather", shard, output[(1 - me) * width : (2 - me) * width], group)
         mine = output[me * width : (me + 1) * width]
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
@@ -531,9 +483,7 @@ class Communicator:
 
     def _pair_ways(self) -> tuple[str, ...]:
         """What two ranks may also do ([Note: a pair swaps halves], [Note: a pair swaps shards])."""
-        if self.world_size != 2:
-            return ()
-        return (PAIR_EXCHANGE, PAIR_READ) if self._channels else (PAIR_EXCHANGE,)
+        return (PAIR_EXCHANGE,) if self.world_size == 2 else ()
 
     @staticmethod
     def _finish(pending: Pending, async_op: bool) -> Optional[Pending]:

@@ -32,7 +32,7 @@ from .loading import load_sources
 from .materialize import InitFn, Materializer, has_meta_tensors
 from .memory import (
     GATHERED_PARAMS, OPTIMIZER_STATE, BufferPool, ByteLedger, keep_heap_top, map_large_temporaries,
-    optimizer_state_bytes, releasable_resident_bytes, return_free_heap,
+    optimizer_state_bytes, resident_bytes, return_free_heap,
 )
 from .offload import Offload, PipelinedStep, make_host_fused, restore_flags
 from .optim import optimizer_params, shard_optimizer
@@ -157,7 +157,6 @@ class Zero3Engine:
                 group = FlatGroup(
                     name, spec.params, self.comm, self.ledger, self.pool, self.device, False, sync, dtypes,
                     materializer=materializer, offload=self.offload, loaded=pending.params, stays_gathered=stays,
-                    shard_may_live_in_full=self.config.quantize_gathers is None,
                 )
                 runtime = UnitRuntime(name, group, self.comm)
                 runtime.maybe_release()  # before the next unit is built: one unit in full at a time
@@ -233,12 +232,6 @@ class Zero3Engine:
             problems.append(f"device {device} (the shards live on {self.device})")
         if world_size != self.comm.world_size:
             problems.append(f"{world_size} ranks (the model was sharded over {self.comm.world_size})")
-        if config.quantize_gathers is not None and any(rt.group.shard_in_full for rt in self.runtimes):
-            # int8 gathers would write their rounded values over shards kept inside the gathered buffers
-            problems.append(
-                f"quantize_gathers={config.quantize_gathers!r} (the model was sharded without it, with each "
-                "shard kept inside its unit's gathered buffer)"
-            )
         return problems
 
     def reconfigure(self, config: Zero3Config) -> None:
@@ -470,23 +463,16 @@ class Zero3Engine:
         """Gather every unit that holds a parameter of ``module`` (default: the whole model).
 
         A collective: call it on every rank. With ``modifier_rank`` set, the full parameters of that rank
-        are written back into the shards of all ranks when the block ends; without it, changes are
-        discarded (a shard that lives in its gathered buffer is put back as it was: see [Note: the shard
-        lives in its gathered buffer] in shard.py).
+        are written back into the shards of all ranks when the block ends.
         """
         wanted = {id(p) for p in (module or self.module).parameters()}
         runtimes = [rt for rt in self.runtimes if any(id(s.param) in wanted for s in rt.group.slots)]
         for runtime in runtimes:
             runtime.context_holds += 1
             runtime.acquire()
-        kept = [] if modifier_rank is not None else [(rt.group, rt.group.shard.clone()) for rt in runtimes if rt.group.shard_in_full]
         try:
             yield
         finally:
-            with torch.no_grad():
-                for group, shard in kept:
-                    group.shard.copy_(shard)
-            del kept
             with self._groups_in_memory([rt.group for rt in runtimes]) if modifier_rank is not None else nullcontext():
                 for runtime in runtimes:
                     if modifier_rank is not None:
@@ -562,10 +548,9 @@ class Zero3Engine:
     def gathered_resident_bytes(self) -> int:
         """Bytes of gathered (full) parameter buffers that are really in memory right now, asked of the
         kernel (a measurement to check the ledger's ``gathered_params`` against). A released buffer whose
-        pages are parked for the next gather is not counted: the ledger counts those as staging bytes, nor
-        is a shard that lives in its gathered buffer (counted as a shard)."""
+        pages are parked for the next gather is not counted: the ledger counts those as staging bytes."""
         return sum(
-            releasable_resident_bytes(rt.group.full)
+            resident_bytes(rt.group.full)
             for rt in self.runtimes
             if not rt.group.persistent and not parking.holds(getattr(rt.group.full, "_zero3_region", None))
         )

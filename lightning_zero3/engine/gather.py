@@ -78,9 +78,7 @@ def _issue_direct(group: "FlatGroup", route: Route) -> None:
                 staged.copy_(source)
                 source = staged
                 give_back.append(staged)
-        # a shard living in ``full`` is at one address for the group's life: read without messages
-        fixed = group.peer_shard if route.over == "job" and source is group.shard and group.shard_in_full else None
-        pending = group.comm.all_gather(group.full, source, async_op=True, over=route.over, peer_shard=fixed)
+        pending = group.comm.all_gather(group.full, source, async_op=True, over=route.over)
     group.pending = Then(pending, lambda: [pool.give(buffer) for buffer in give_back])
 
 

@@ -221,20 +221,6 @@ def populate(tensor: torch.Tensor) -> None:
         _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_POPULATE_WRITE)
 
 
-def keep_on_release(buffer: torch.Tensor, start: int, numel: int) -> None:
-    """Make ``release`` and ``reclaim`` of the host ``buffer`` leave elements ``[start, start + numel)``
-    alone: they hold a tensor of their own (a rank's shard inside its unit's gathered buffer, see [Note:
-    the shard lives in its gathered buffer] in shard.py). The kept elements must lie at the buffer's start
-    or end, on a page boundary, so that what is released is one run of whole pages."""
-    offset, length = buffer._zero3_span
-    lo, hi = start * buffer.element_size(), (start + numel) * buffer.element_size()
-    nbytes = buffer.numel() * buffer.element_size()
-    at_start, at_end = lo == 0, hi == nbytes
-    if not (at_start or at_end) or (hi if at_start else lo) % mmap.PAGESIZE:
-        raise ValueError(f"zero3: elements {start}..{start + numel} of a releasable buffer are not a page-aligned end of it")
-    buffer._zero3_span = (offset + hi, length - hi) if at_start else (offset, lo)
-
-
 def release(tensor: torch.Tensor, ledger: Optional[ByteLedger] = None) -> None:
     """Give the memory of ``tensor`` back; the tensor (and its views) survive, contents undefined. With a
     ``ledger``, a host map's pages are parked for the next reclaim of the same size instead, counted there
@@ -274,17 +260,6 @@ def reclaim(tensor: torch.Tensor) -> None:
 _PAGE = mmap.PAGESIZE
 
 
-def releasable_resident_bytes(buffer: torch.Tensor) -> int:
-    """Bytes of the pages that ``release`` gives back for ``buffer`` (all of it, less what
-    ``keep_on_release`` keeps) that are resident right now; ``resident_bytes`` for other tensors."""
-    span = getattr(buffer, "_zero3_span", None)
-    if span is None:
-        return resident_bytes(buffer)
-    offset, length = span
-    start = parking.address(buffer._zero3_region) + offset
-    return _resident_pages(start, start + length)
-
-
 def resident_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the pages under ``tensor``'s storage that are resident in memory right now (``mincore``).
 
@@ -295,14 +270,8 @@ def resident_bytes(tensor: torch.Tensor) -> int:
         return storage.size()
     if storage.size() == 0 or _LIBC is None:
         return 0
-    return _resident_pages(storage.data_ptr(), storage.data_ptr() + storage.size())
-
-
-def _resident_pages(start: int, end: int) -> int:
-    """Bytes of the pages covering addresses ``[start, end)`` that are resident (``mincore``)."""
-    if _LIBC is None or end <= start:
-        return 0
-    start = start // _PAGE * _PAGE
+    start = storage.data_ptr() // _PAGE * _PAGE
+    end = storage.data_ptr() + storage.size()
     pages = -(-(end - start) // _PAGE)
     vector = (ctypes.c_ubyte * pages)()
     if _LIBC.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vector) != 0:

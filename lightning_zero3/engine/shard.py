@@ -15,33 +15,10 @@ itself without offload); ``shard`` is the device-side source of this rank's all-
 gathered buffer the user's parameters view (see [Note: releasing gathered buffers] in memory.py). Under
 offload the master lives in a ``GroupStore`` (host memory or NVMe) and the all-gather source is refilled
 by a ``ParamSource``; the group hands both the views they need and then only calls them.
-
-[Note: the shard lives in its gathered buffer]
-A gather fills ``full`` with every rank's shard, this rank's own included. Kept in a buffer of its own,
-the shard is copied into its place at every gather: on the benchmark GPT (2 CPU ranks) that was 78 MB
-per step and 10.8 ms of the compute thread, the largest of zero3's own costs under the profiler. With
-two ranks on the host the shard instead *is* its place: ``shard = full[rank * S : (rank + 1) * S]``,
-whose pages release and reclaim leave alone (``keep_on_release`` in memory.py). A release gives back the
-other rank's half only, a gather brings only that half in (the pair swap of comm.py sees its input in
-place and copies nothing), and the ledger counts the kept half as the shard, not as gathered. S is
-padded to whole pages (at most 4 KiB per unit) so that the released half is a run of whole pages; shards
-under ``SHARD_IN_FULL_FROM`` keep a buffer of their own (the padding would weigh, the copy does not).
-
-The own half of a gathered unit is then the master itself: the optimizer's step changes it in place, so
-a unit gathered across a step is gathered anew after it (as it always was: the other half is stale).
-Writes into ``full`` must put the shard's own values there: a coalesced or secondary gather decodes
-every row (the same values), and gloo's all-gather gets a copy of the shard as its input (comm.py). A
-user's change inside ``gathered_parameters`` without ``modifier_rank`` would stick in the own half, so
-that context puts the shard back as it was. Where a gather would write other values (int8 gathers,
-dequantized), on an accelerator (a buffer is freed whole to the caching allocator), under offload (the
-master lives in its tier), with a compute dtype other than the master's (``full`` is a cast copy), in
-the persistent group (never released) and with more than two ranks (a middle rank's released part would
-be two runs, and gloo's all-gather copies its input itself) the shard keeps a buffer of its own.
 """
 
 from __future__ import annotations
 
-import mmap
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Iterator, Optional, Sequence
@@ -50,7 +27,6 @@ import torch
 from torch import nn
 
 from .comm import Communicator
-from .cross_memory import PeerShard
 from .gather import Then, issue, route_of
 from .memory import (
     GATHERED_PARAMS,
@@ -59,7 +35,6 @@ from .memory import (
     PERSISTENT_PARAMS,
     BufferPool,
     ByteLedger,
-    keep_on_release,
     new_buffer,
     reclaim,
     releasable_buffer,
@@ -74,11 +49,6 @@ if TYPE_CHECKING:
     from .offload import Offload, ParamSource, GroupStore
     from .secondary import SecondaryShard
     from .sources import TensorSource
-
-
-#: the smallest shard kept inside its gathered buffer: its padding to whole pages (at most 4 KiB) is then
-#: at most 1.6% of it, and below it the copy that is saved costs microseconds
-SHARD_IN_FULL_FROM = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -127,13 +97,10 @@ class FlatGroup:
         offload: Optional["Offload"] = None,
         loaded: Collection[int] = (),
         stays_gathered: bool = False,
-        shard_may_live_in_full: bool = False,
     ) -> None:
         """``loaded``: ids of parameters whose values will be read from a checkpoint once every group is
         built (see [Note: loading straight into shards] in sources.py). ``stays_gathered``: one process
-        with nothing to shard, see [Note: one process keeps its units gathered]. ``shard_may_live_in_full``:
-        no gather will write anything but the shard's own values into its place in ``full`` (no int8
-        gathers), see [Note: the shard lives in its gathered buffer]."""
+        with nothing to shard, see [Note: one process keeps its units gathered]."""
         if not named_params:
             raise ValueError(f"flat group {name!r} has no parameters")
         own_dtypes = {p.dtype for _, p in named_params}
@@ -158,14 +125,7 @@ class FlatGroup:
         # one process, its master in the compute dtype: the master (the shard) is the full buffer (set below);
         # not so under offload, whose master lives in its tier
         self.master_is_full = stays_gathered and offload is None and self.compute_dtype == self.dtype
-        self.shard_in_full = (
-            shard_may_live_in_full and world == 2 and device.type == "cpu" and offload is None and not persistent
-            and self.compute_dtype == self.dtype and self.shard_numel * self.dtype.itemsize >= SHARD_IN_FULL_FROM
-        )  # fmt: skip
-        if self.shard_in_full:  # the shard's pages, and so the gathered rest, start on a page boundary
-            per_page = max(1, mmap.PAGESIZE // self.dtype.itemsize)
-            self.shard_numel = -(-self.shard_numel // per_page) * per_page
-        if not (self.master_is_full or self.shard_in_full):
+        if not self.master_is_full:
             # small pages unless offload refills it from its tier at every gather: [Note: shards are in small pages]
             self.shard = releasable_buffer(self.shard_numel, self.dtype, device, huge=offload is not None)
             self.ledger.add(PARAM_SHARDS, self._nbytes(self.shard))
@@ -182,8 +142,7 @@ class FlatGroup:
             # One buffer of the full (padded) size is alive per group while it is built; it becomes ``full``
             # when the compute dtype is the master dtype, so building a unit costs one unit's bytes.
             master = releasable_buffer(self.shard_numel * world, self.dtype, device)
-            self.ledger.add(self._full_category, self._nbytes(master) - self._shard_in_full_nbytes)
-            self.ledger.add(PARAM_SHARDS, self._shard_in_full_nbytes)
+            self.ledger.add(self._full_category, self._nbytes(master))
             if materializer is not None and any(p.is_meta for _, p in named_params):
                 # built straight from the meta device: see [Note: sharded initialisation] in materialize.py
                 materializer.fill(named_params, master[:total])
@@ -198,9 +157,6 @@ class FlatGroup:
             start = rank * self.shard_numel
             if self.master_is_full:
                 self.shard = master
-            elif self.shard_in_full:
-                self.shard = master[start : start + self.shard_numel]
-                keep_on_release(master, start, self.shard_numel)
             elif not from_checkpoint:
                 self.shard.copy_(master[start : start + self.shard_numel])
             if self.compute_dtype == self.dtype:
@@ -236,9 +192,6 @@ class FlatGroup:
         self.landed: list[bool] = []
         self.landed_version = 0
         self.pending: Optional[Then] = None  # an all-gather in flight into ``full`` (see gather.py)
-        # where the other rank's shard of this group is, once told ([Note: a fixed shard is read without
-        # messages] in cross_memory.py)
-        self.peer_shard = PeerShard()
         # agrees with every rank on each all-gather before it is issued (set by the engine; see agreement.py)
         self.check: Optional["OrderCheck"] = None
         # how its all-gathers travel, set by the engine (see [Note: gather routes] in gather.py)
@@ -286,17 +239,6 @@ class FlatGroup:
     def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    @property
-    def _shard_in_full_nbytes(self) -> int:
-        """Bytes of ``full`` that are the shard itself (never released): see [Note: the shard lives in its
-        gathered buffer]."""
-        return self.shard_numel * self.dtype.itemsize if self.shard_in_full else 0
-
-    @property
-    def _gathered_nbytes(self) -> int:
-        """Bytes a gather brings in and a release gives back: ``full``, less the shard living in it."""
-        return self._nbytes(self.full) - self._shard_in_full_nbytes
-
     def start_gather(self, force: bool = False, checked: bool = False) -> None:
         """Issue the all-gather of the full parameters without waiting for it (prefetch). ``checked``: the
         ranks already agreed on it (``start_gathers`` checks several groups at once)."""
@@ -330,7 +272,7 @@ class FlatGroup:
         """Give ``full`` its memory back before a gather writes into it."""
         if not self.gathered:
             reclaim(self.full)
-            self.ledger.add(self._full_category, self._gathered_nbytes)
+            self.ledger.add(self._full_category, self._nbytes(self.full))
 
     def gather(self, force: bool = False) -> None:
         """Make the full parameters valid (waiting for a prefetch in flight). ``force`` re-gathers even
@@ -437,7 +379,7 @@ class FlatGroup:
         if self.secondary is not None and self.secondary.wanted:
             self.secondary.keep(self.full)  # [Note: secondary shards] in secondary.py
         mark_released(self._classes)
-        self.ledger.remove(self._full_category, self._gathered_nbytes)
+        self.ledger.remove(self._full_category, self._nbytes(self.full))
         release(self.full, self.ledger)  # parked for the next gather: see [Note: released pages are parked]
         self.gathered = False
 
@@ -475,7 +417,7 @@ class FlatGroup:
                 slot.param.data = master[slot.offset : slot.offset + slot.numel].view(slot.param.shape).clone()
         if self.gathered:
             release(self.full)
-            self.ledger.remove(self._full_category, self._gathered_nbytes)
+            self.ledger.remove(self._full_category, self._nbytes(self.full))
         if (self.source is None or self.source.filled) and not self.master_is_full:
             self.ledger.remove(PARAM_SHARDS, self._nbytes(self.shard))
         if self.grad_shard is not None:

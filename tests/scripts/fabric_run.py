@@ -127,8 +127,8 @@ def record_exit(out: Path) -> None:
     from lightning_zero3.engine.process_exit import gloo_threads
 
     def record() -> None:
-        threads = [t.name for t in threading.enumerate() if t.name.startswith(("zero3-watchdog", "zero3-read"))]
-        (out / f"exit-{os.getpid()}.json").write_text(json.dumps({"zero3_threads": threads, "gloo_threads": gloo_threads()}))
+        watchdogs = [t.name for t in threading.enumerate() if t.name.startswith("zero3-watchdog")]
+        (out / f"exit-{os.getpid()}.json").write_text(json.dumps({"watchdogs": watchdogs, "gloo_threads": gloo_threads()}))
 
     atexit.register(record)
 
