@@ -298,12 +298,12 @@ def state_bytes(optimizer) -> int:
 def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
+    from gpt import GPTModule, apply_fsdp2
     from lightning.pytorch.strategies import ModelParallelStrategy
+    from nodes import CrossNodeCounter
     from torch.utils.data import DataLoader
 
     import lightning_zero3
-    from gpt import GPTModule, apply_fsdp2
-    from nodes import CrossNodeCounter
 
     # bytes from other nodes, counted inside torch.distributed's collectives (see nodes.py), timed steps only
     counter = CrossNodeCounter(args.devices).install() if args.nodes > 1 else None
@@ -437,7 +437,6 @@ def deepspeed_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-
     from gpt import GPT
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -509,11 +508,11 @@ def fabric_worker(args: argparse.Namespace) -> None:
     """zero3 through Fabric: the Trainer rows' model (``GPTModule``'s GPT and optimizer), batches and steps."""
     import torch
     import torch.nn.functional as F
+    from gpt import GPTModule
     from lightning.fabric import Fabric
     from torch.utils.data import DataLoader
 
     import lightning_zero3
-    from gpt import GPTModule
 
     strategy = lightning_zero3.Zero3FabricStrategy(**zero3_knobs(args.zero3))
     fabric = Fabric(strategy=strategy, accelerator=args.accelerator, devices=args.devices, precision=args.precision)

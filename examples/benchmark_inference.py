@@ -244,11 +244,12 @@ def _grid(head: tuple, body: list) -> list[str]:
 
 
 def measure_disk(folder: Path, nbytes: int = 1 << 30) -> dict:
-    from lightning_zero3.engine.memory import host_buffer
-    from lightning_zero3.engine.offload.aio import AsyncFileIO
-    from lightning_zero3.engine.offload.resources import IO_THREADS
-    from lightning_zero3.engine.offload.swapdir import SwapDirectory
     import torch
+
+    from lightning_zero3.engine.memory.buffers import host_buffer
+    from lightning_zero3.engine.offload.aio import AsyncFileIO
+    from lightning_zero3.engine.offload.swapdir import SwapDirectory
+    from lightning_zero3.engine.offload.tiers import IO_THREADS
 
     swap = SwapDirectory(str(folder), rank=0)
     try:

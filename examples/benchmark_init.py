@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from lightning_zero3 import Zero3Config, Zero3Engine  # noqa: E402
-from lightning_zero3.engine.memory import CATEGORIES  # noqa: E402
+from lightning_zero3.engine.memory.buffers import CATEGORIES  # noqa: E402
 
 
 def _status_kib(field: str) -> int:

@@ -174,7 +174,7 @@ def _load_zero3(checkpoint: Path, world: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import lightning_zero3
-    from lightning_zero3.engine.materialize import parameters_on_meta
+    from lightning_zero3.engine.layout.materialize import parameters_on_meta
 
     with parameters_on_meta():  # what configure_model runs in under zero3
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)

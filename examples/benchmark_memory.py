@@ -165,12 +165,12 @@ def table(summary: dict, args) -> str:
 
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
+    from gpt import GPTConfig, GPTModule, apply_fsdp2, count_parameters, random_tokens
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader
 
     import lightning_zero3
-    from gpt import GPTConfig, GPTModule, apply_fsdp2, count_parameters, random_tokens
 
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=args.n_layer, n_head=args.n_embd // 64, n_embd=args.n_embd,
                     tie_embeddings=True)  # fmt: skip

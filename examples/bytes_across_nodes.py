@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_zero3.engine.quantize import payload_bytes
-from lightning_zero3.engine.topology import inter_node_bytes
+from lightning_zero3.engine.comm.quantize import payload_bytes
+from lightning_zero3.engine.comm.topology import inter_node_bytes
 
 
 def per_rank(params: int, nodes: int, ranks_per_node: int, nbytes: int) -> dict[str, int]:

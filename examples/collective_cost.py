@@ -68,12 +68,12 @@ def _rank(rank: int, world: int, port: int, numel: int, repeats: int, queue) -> 
     def swap(send: torch.Tensor, receive: torch.Tensor) -> list:
         return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)])
 
-    def swap_halves() -> None:  # two ranks: [Note: a pair swaps halves] in lightning_zero3/engine/comm.py
+    def swap_halves() -> None:  # two ranks: [Note: a pair swaps halves] in lightning_zero3/engine/comm/communicator.py
         for work in swap(full[peer * width : (peer + 1) * width], shard):
             work.wait()
         shard.add_(full[rank * width : (rank + 1) * width])
 
-    def swap_shards() -> None:  # two ranks: [Note: a pair swaps shards] in lightning_zero3/engine/comm.py
+    def swap_shards() -> None:  # two ranks: [Note: a pair swaps shards] in lightning_zero3/engine/comm/communicator.py
         works = swap(shard, gathered[peer * width : (peer + 1) * width])
         gathered[rank * width : (rank + 1) * width].copy_(shard)
         for work in works:

@@ -88,12 +88,12 @@ def profile(strategy: str, args: argparse.Namespace) -> dict:
     """Train ``args.warmup + args.steps`` steps, profiling the last ``args.steps``; the figures per step."""
     import lightning.pytorch as pl
     import torch
+    from benchmark import dataset, model_config
+    from gpt import GPTModule
     from torch.profiler import ProfilerActivity
     from torch.utils.data import DataLoader
 
     import lightning_zero3
-    from benchmark import dataset, model_config
-    from gpt import GPTModule
 
     cuda = args.accelerator == "cuda"
     first, last = args.warmup, args.warmup + args.steps - 1  # the profiled steps' indices

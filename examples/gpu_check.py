@@ -219,7 +219,7 @@ CUDA_MEMORY_TAGS = ("reserved_bytes", "allocated_bytes", "fragmentation", "cache
 def monitors_verdict(memory: dict, comm: dict) -> tuple[bool, str]:
     """The monitors' last logged figures: the CUDA allocator's present and sane, the collectives' measured.
     The check runs at one rank, where the gathers (sharded on purpose) are one-rank collectives and the
-    gradients are reduced with none ([Note: one rank reduces nothing] in grads.py): a reduce-scatter
+    gradients are reduced with none ([Note: one rank reduces nothing] in grads/reduction.py): a reduce-scatter
     counted there is a defect."""
     mem = {tag: memory.get(f"zero3/memory/{tag}/max") for tag in CUDA_MEMORY_TAGS}
     missing = [tag for tag, value in mem.items() if value is None]
@@ -627,10 +627,10 @@ def run_worker(name: str, accelerator: str) -> dict:
 def train(strategy: str, precision: str, steps: int, clip: Optional[float], accelerator: str,
           callbacks: tuple = (), logger: Any = False) -> dict:  # fmt: skip
     import lightning.pytorch as pl
+    from gpt import GPTConfig, GPTModule, random_tokens
     from torch.utils.data import DataLoader
 
     import lightning_zero3
-    from gpt import GPTConfig, GPTModule, random_tokens
 
     class Record(pl.Callback):
         def __init__(self) -> None:
@@ -687,7 +687,7 @@ def collective_timing() -> dict:
     """An NCCL all-gather at one rank, through the engine's Communicator and its event clock."""
     import torch.distributed as dist
 
-    from lightning_zero3.engine.comm import Communicator
+    from lightning_zero3.engine.comm.communicator import Communicator
 
     class OneRankNCCL(Communicator):
         distributed = True  # issue real NCCL collectives (at one rank, a copy on NCCL's stream or the caller's)

@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import Logger
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_zero3
 

@@ -26,9 +26,9 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
-
-from lightning_zero3.engine.topology import Topology, inter_node_bytes
 from processes import free_port
+
+from lightning_zero3.engine.comm.topology import Topology, inter_node_bytes
 
 
 def run_as_nodes(script_args: Sequence[str], nodes: int, per_node: int, env: dict, timeout: float) -> tuple[int, str]:

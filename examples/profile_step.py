@@ -11,14 +11,14 @@ over the steps after the warm-up. Every function's own time is charged to a part
 is written in (a C function, such as a tensor copy or a collective's wait, to the file that called it), so
 the table says what each part costs per step and per unit, and how many Python calls it makes per unit:
 
-- hooks: ``hooks.py``, ``runtime.py``, ``schedule.py`` (the module hooks, unit state, the recorded order);
+- hooks: ``hooks.py``, ``runtime.py``, ``prefetch.py`` (the module hooks, unit state, the recorded order);
 - agreement: ``agreement.py`` (ranks agree on each gather before it is issued);
-- gather / release: ``shard.py``, ``gather.py``, ``released.py`` (issuing gathers, marking parameters);
-- buffers & ledger: ``memory.py``, ``parking.py``, ``libc.py`` (buffers, the byte ledger, parked pages);
-- reductions: ``grads.py``, ``gradients.py`` (packing gradients, reduce-scatters, the shared order);
-- collectives: ``comm.py``, less its waits (issuing, timing, bookkeeping);
+- gather / release: ``flat_group.py``, ``gather.py``, ``gathers.py``, ``released.py`` (issuing gathers, marking parameters);
+- buffers & ledger: ``buffers.py``, ``parking.py``, ``libc.py`` (buffers, the byte ledger, parked pages);
+- reductions: ``reduction.py``, ``gradients.py`` (packing gradients, reduce-scatters, the shared order);
+- collectives: ``communicator.py``, ``records.py``, less its waits (issuing, timing, bookkeeping);
 - waiting: time spent in the waits of collectives (communication the compute did not hide);
-- optimizer: ``optim.py``, ``state.py`` and the rest of ``lightning_zero3``;
+- optimizer: ``optim.py``, ``optimizer_state.py`` and the rest of ``lightning_zero3``;
 - not zero3: the model, autograd, the optimizer's own math, Lightning.
 
 The profiler adds a cost per Python call, so a part's milliseconds are inflated by about its call
@@ -43,12 +43,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 PARTS = {
-    "hooks": ("hooks.py", "runtime.py", "schedule.py"),
+    "hooks": ("hooks.py", "runtime.py", "prefetch.py"),
     "agreement": ("agreement.py",),
-    "gather / release": ("shard.py", "gather.py", "released.py"),
-    "buffers & ledger": ("memory.py", "parking.py", "libc.py"),
-    "reductions": ("grads.py", "gradients.py"),
-    "collectives": ("comm.py",),
+    "gather / release": ("flat_group.py", "gather.py", "gathers.py", "released.py"),
+    "buffers & ledger": ("buffers.py", "parking.py", "libc.py"),
+    "reductions": ("reduction.py", "gradients.py"),
+    "collectives": ("communicator.py", "records.py"),
 }
 ORDER = [*PARTS, "waiting", "optimizer", "not zero3"]
 
@@ -112,11 +112,11 @@ def profiled_seconds_per_call() -> float:
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
+    from benchmark import dataset, model_config, zero3_knobs
+    from gpt import GPTModule
     from torch.utils.data import DataLoader
 
     import lightning_zero3
-    from benchmark import dataset, model_config, zero3_knobs
-    from gpt import GPTModule
 
     class Profiled(pl.Callback):
         def __init__(self) -> None:

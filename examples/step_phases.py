@@ -37,12 +37,12 @@ STRATEGIES = ("zero3", "ddp", "fsdp2")
 
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
+    from benchmark import dataset, model_config, zero3_knobs
+    from gpt import GPTModule, apply_fsdp2
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader
 
     import lightning_zero3  # noqa: F401  (registers "zero3")
-    from benchmark import dataset, model_config, zero3_knobs
-    from gpt import GPTModule, apply_fsdp2
 
     class Phases(pl.Callback):
         def __init__(self) -> None:

@@ -5,8 +5,9 @@ and ``pytorch_lightning`` when that package is installed, and Fabric), so ``Trai
 and ``Fabric(strategy="zero3")`` work.
 """
 
+from .checkpoint import CheckpointError, CheckpointMismatchError
+from .checkpoint.export import save_full_weights
 from .config import Zero3Config
-from .errors import UnsupportedPrecisionError, Zero3ConfigError
 from .engine import (
     ExecutionOrderError,
     NoTrainableParametersError,
@@ -18,11 +19,10 @@ from .engine import (
     gathered_parameters,
     unshard,
 )
-from .checkpoint.export import save_full_weights
-from .checkpoint import CheckpointError, CheckpointMismatchError
-from .pretrained import PeerLoadError, load_pretrained
-from .precision import Zero3Precision
+from .errors import UnsupportedPrecisionError, Zero3ConfigError
 from .fabric import Zero3FabricPrecision, Zero3FabricStrategy
+from .precision import Zero3Precision
+from .pretrained import PeerLoadError, load_pretrained
 from .registration import register_strategies
 from .strategy import Zero3Strategy
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import ArgsType, LightningCLI

@@ -77,7 +77,7 @@ class Zero3Config:
 
     tune_collectives: bool = True
     """At start-up, time each way of doing the all-gather and the reduce-scatter at the sizes this model
-    uses, on this job's process group, and use the fastest (see ``engine/comm.py``)."""
+    uses, on this job's process group, and use the fastest (see ``engine/comm/communicator.py``)."""
 
     single_process_sharding: bool = False
     """One process (world size 1) has nothing to shard. ``False``: unless parameters are offloaded, every

@@ -10,3 +10,8 @@ class Zero3ConfigError(ValueError):
 
 class UnsupportedPrecisionError(ValueError):
     """The ``precision`` flag asks for something zero3 does not run; the message lists what works."""
+
+
+class OptimizerShardingError(ValueError):
+    """The optimizer cannot be moved onto the shards as given (it stepped already, or holds a parameter
+    twice); raised by the engine's ``grads/optim.py`` and its host-side twin under offload."""

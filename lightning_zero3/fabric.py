@@ -48,7 +48,7 @@ from .checkpoint.files import save_file_atomically, torch_load_checked
 from .checkpoint.full import save_full_checkpoint
 from .config import Zero3Config, default_nvme_path
 from .engine import Zero3Engine, engine_of
-from .engine.materialize import move_real_tensors, parameters_on_meta
+from .engine.layout.materialize import move_real_tensors, parameters_on_meta
 from .errors import Zero3ConfigError
 from .knobs import build_config
 from .precision_core import PrecisionCore, translate_precision

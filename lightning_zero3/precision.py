@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
-
-import lightning.pytorch as pl
 
 from .config import SUPPORTED_PRECISION
 from .errors import UnsupportedPrecisionError

@@ -30,9 +30,9 @@ from torch import nn
 from .config import Zero3Config
 from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .engine import Communicator, Zero3Engine
-from .engine.shard import DtypePolicy
-from .engine.watchdog import Watchdog
-from .engine.process_exit import close_process_groups_at_exit, note_failure
+from .engine.comm.process_exit import close_process_groups_at_exit, note_failure
+from .engine.comm.watchdog import Watchdog
+from .engine.layout.slots import DtypePolicy
 
 # One watchdog per run; every rank starts the same number of them, so their store keys agree.
 _WATCHDOG_GENERATIONS = itertools.count()

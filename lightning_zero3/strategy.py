@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
@@ -27,15 +28,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
-import lightning.pytorch as pl
-
+from .checkpoint.export import save_full_weights
 from .checkpointing import CheckpointingMixin
 from .config import Zero3Config, default_nvme_path
-from .errors import Zero3ConfigError
-from .checkpoint.export import save_full_weights
-from .knobs import DEFAULTS, build_config, knob_docstring
 from .engine import Zero3Engine, engine_of
-from .engine.materialize import move_real_tensors, parameters_on_meta
+from .engine.layout.materialize import move_real_tensors, parameters_on_meta
+from .errors import Zero3ConfigError
+from .knobs import DEFAULTS, build_config, knob_docstring
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 from .shared_setup import ProcessesMixin, new_engine, refuse_untrainable
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from lightning_zero3.engine.offload import copies, resources
+from lightning_zero3.engine.offload import copies, tiers
 
 DELAY = 0.005  # seconds: far longer than the Python between a copy and a careless read
 
@@ -48,7 +48,7 @@ class LateCopies(copies.DeviceHostCopies):
 
 
 def install() -> None:
-    resources.COPY_ENGINE = LateCopies
+    tiers.COPY_ENGINE = LateCopies
 
 
 def install_if_asked() -> None:

@@ -22,7 +22,6 @@ from gpt import GPT, GPTConfig, random_tokens
 from torch import nn
 
 from lightning_zero3 import Zero3Config, Zero3Engine
-from lightning_zero3.engine import Communicator
 from lightning_zero3.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
@@ -32,6 +31,7 @@ from lightning_zero3.checkpoint import (
     write_sharded_checkpoint,
 )
 from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
+from lightning_zero3.engine import Communicator
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 GLOBAL_BATCH = 4  # samples per step, split evenly over 1, 2 or 4 ranks

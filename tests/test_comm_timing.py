@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_ranks
+
 from lightning_zero3.callbacks import CommMonitor, MemoryMonitor
-from lightning_zero3.engine.comm import Communicator
-from lightning_zero3.engine.timing import EventClock, HostClock, clock_for
+from lightning_zero3.engine.comm.communicator import Communicator
+from lightning_zero3.engine.comm.timing import EventClock, HostClock, clock_for
 
 # -- a fake device module: torch.cuda's names, streams with clocks (milliseconds) -----------------------
 

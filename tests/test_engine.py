@@ -16,9 +16,9 @@ from gpt import GPT, GPTConfig, random_tokens
 from torch import nn
 
 from lightning_zero3 import ParameterNotGatheredError, Zero3Config, Zero3ConfigError, Zero3Engine, gathered_parameters
-from lightning_zero3.engine import parking
-from lightning_zero3.engine.memory import resident_bytes
-from lightning_zero3.engine.optim import OptimizerShardingError
+from lightning_zero3.engine.grads.optim import OptimizerShardingError
+from lightning_zero3.engine.memory import parking
+from lightning_zero3.engine.memory.buffers import resident_bytes
 
 CFG = GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=128)
 
@@ -263,7 +263,8 @@ class GatedNet(nn.Module):
 
 
 def _rank_dependent_use_case(rank: int, world: int) -> dict:
-    from lightning_zero3.engine import grads, shard
+    from lightning_zero3.engine.grads import reduction as grads
+    from lightning_zero3.engine.shard import flat_group as shard
 
     torch.manual_seed(0)
     reference = GatedNet()
@@ -288,7 +289,7 @@ def _rank_dependent_use_case(rank: int, world: int) -> dict:
     none_after_backward = []
     for step in range(3):
         # two micro-batches: the second accumulates into shard gradients of which some are None ("never"),
-        # parameter by parameter (see [Note: the gradient shard in one pass] in grads.py)
+        # parameter by parameter (see [Note: the gradient shard in one pass] in grads/reduction.py)
         micro = [torch.randint(0, 64, (4, 8), generator=g) for _ in range(2)]
         for net, optimizer in zip((ddp, model), opts):
             for x in micro:
@@ -323,7 +324,7 @@ def test_a_parameter_used_on_some_ranks_gets_ddps_mean_and_one_used_nowhere_keep
 
 
 def _unfreeze_case(rank: int, world: int) -> str:
-    from lightning_zero3.engine.hooks import RequiresGradChangedError
+    from lightning_zero3.engine.schedule.hooks import RequiresGradChangedError
 
     model = GPT(CFG)
     model.blocks[0].requires_grad_(False)
@@ -432,7 +433,7 @@ def _prefetch_case(rank: int, world: int, overlap: bool) -> dict:
 def _log_starts_and_issues(engine: Zero3Engine) -> list:
     """Every unit start (before its gathers) and every gather issued, in order: ("start", step, phase,
     unit) and ("issue", step, units)."""
-    from lightning_zero3.engine import shard
+    from lightning_zero3.engine.shard import flat_group as shard
 
     events, start, issue = [], engine.hooks._start, shard.issue
 
@@ -473,7 +474,7 @@ def test_prefetch_and_async_reduce_keep_ddp_parity(overlap):
         assert result["hits"] >= result["prefetched"]
         # every gather after the first step runs behind the compute of a unit before its own (the first
         # block's behind the root's start, the first block of backward's behind the last block's): see
-        # [Note: a blocking check takes the gathers ahead along] in shard.py
+        # [Note: a blocking check takes the gathers ahead along] in shard/flat_group.py
         assert result["late"] == [], result["late"]
         assert 0 <= result["exposed"] <= result["total"]
     assert results[0]["choice"] == results[1]["choice"]  # measured choice, agreed by the ranks
@@ -592,7 +593,7 @@ def test_a_unit_policy_that_selects_nothing_fails_naming_it_and_the_repeating_cl
 
 def _close_with_an_engine_alive(rank: int, world: int) -> dict:
     from lightning_zero3 import close_process_groups
-    from lightning_zero3.engine.process_exit import gloo_threads
+    from lightning_zero3.engine.comm.process_exit import gloo_threads
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32))

@@ -16,9 +16,9 @@ from distributed import free_port
 from routing_models import SkippingModel
 
 from lightning_zero3 import Zero3Config, Zero3Engine
-from lightning_zero3.engine import grads
-from lightning_zero3.engine.agreement import ExecutionOrderError, OrderCheck
-from lightning_zero3.engine.watchdog import Watchdog
+from lightning_zero3.engine.comm.agreement import ExecutionOrderError, OrderCheck
+from lightning_zero3.engine.comm.watchdog import Watchdog
+from lightning_zero3.engine.grads import reduction as grads
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_only_a_unit_without_a_post_backward_signal_counts_its_gradients_by_hook
     # signal and get no hook per parameter; the root, fed token ids, counts its parameters' gradients
     from routing_models import lm_loss
 
-    from lightning_zero3.engine.released import engine_access
+    from lightning_zero3.engine.layout.released import engine_access
 
     model, engine = engine
     u = _units(engine)

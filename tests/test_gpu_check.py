@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+import gpu_check
 import pytest
 import torch
-
-import gpu_check
 from gpu_check import Row
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu_check.py"

@@ -1,5 +1,5 @@
 """glibc's heap policy on CPU runs without offload: freed temporaries keep their pages for the next ones
-([Note: the heap keeps its top between steps] in engine/memory.py). The setting is process-wide, so each
+([Note: the heap keeps its top between steps] in engine/memory/buffers.py). The setting is process-wide, so each
 case runs in a fresh interpreter."""
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ from multinode import slurm_nodes
 from torch import nn
 
 from lightning_zero3 import Zero3Config, Zero3ConfigError, Zero3Engine
-from lightning_zero3.engine.comm import Communicator
-from lightning_zero3.engine.memory import resident_bytes
-from lightning_zero3.engine.quantize import BLOCK, decode_int8, encode_int8, padded, payload_bytes
-from lightning_zero3.engine.secondary import resolve_size
-from lightning_zero3.engine.topology import Topology, inter_node_bytes
+from lightning_zero3.engine.comm.communicator import Communicator
+from lightning_zero3.engine.comm.quantize import BLOCK, decode_int8, encode_int8, padded, payload_bytes
+from lightning_zero3.engine.comm.topology import Topology, inter_node_bytes
+from lightning_zero3.engine.memory.buffers import resident_bytes
+from lightning_zero3.engine.shard.secondary import resolve_size
 
 WORLD, PER_NODE = 4, 2
 WIDTH, BLOCKS, CLASSES = 256, 4, 4

@@ -11,7 +11,7 @@ from distributed import run_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_zero3.callbacks import CommMonitor, MemoryMonitor, Zero3MonitorError
-from lightning_zero3.engine.memory import CATEGORIES
+from lightning_zero3.engine.memory.buffers import CATEGORIES
 
 SCRIPT = Path(__file__).parent / "scripts" / "monitors_run.py"
 

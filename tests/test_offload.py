@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from benchmark_offload import Layers
 from distributed import run_ranks, run_script
 from gpt import GPT, GPTConfig, random_tokens
-from benchmark_offload import Layers
+from late_copies import LateCopies, LateTicket
 from torch import nn
 
 import lightning_zero3
 from lightning_zero3 import Zero3Config, Zero3ConfigError, Zero3Engine, Zero3Strategy, gathered_parameters
-from late_copies import LateCopies, LateTicket
 from lightning_zero3.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from lightning_zero3.checkpoint.full import save_full_checkpoint
-from lightning_zero3.engine.memory import OFFLOAD_HOST, host_buffer
-from lightning_zero3.engine.offload import NvmePathError, SwapDiskFullError, resources
+from lightning_zero3.engine.memory.buffers import OFFLOAD_HOST, host_buffer
+from lightning_zero3.engine.offload import NvmePathError, SwapDiskFullError, tiers
 from lightning_zero3.engine.offload import aio as aio_module
 from lightning_zero3.engine.offload.swapdir import SwapDirectory
 
@@ -74,7 +74,7 @@ def _engine(mode: str, tmp_path: Path, **extra):
 @pytest.fixture(autouse=True)
 def late_copies(monkeypatch):
     """Every offload test here runs with device <-> host copies that complete late (see late_copies.py)."""
-    monkeypatch.setattr(resources, "COPY_ENGINE", LateCopies)
+    monkeypatch.setattr(tiers, "COPY_ENGINE", LateCopies)
 
 
 # -- the state contract ------------------------------------------------------------------------------

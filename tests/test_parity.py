@@ -65,7 +65,7 @@ def test_zero3_matches_ddp(runs, devices, variant):
     report = zero3["memory"]["report"]
     if devices > 1:
         assert report["param_shards"] > 0 and report["gathered_params"] == 0
-    else:  # one process keeps its units gathered, its shards being the gathered buffers (shard.py)
+    else:  # one process keeps its units gathered, its shards being the gathered buffers (shard/flat_group.py)
         assert report["param_shards"] == 0 and report["gathered_params"] > 0
 
 

@@ -7,8 +7,15 @@ import gc
 import pytest
 import torch
 
-from lightning_zero3.engine import parking
-from lightning_zero3.engine.memory import STAGING, ByteLedger, releasable_buffer, reclaim, release, resident_bytes
+from lightning_zero3.engine.memory import parking
+from lightning_zero3.engine.memory.buffers import (
+    STAGING,
+    ByteLedger,
+    reclaim,
+    releasable_buffer,
+    release,
+    resident_bytes,
+)
 
 NUMEL = 1 << 20  # 4 MiB of float32 per buffer
 
@@ -91,7 +98,7 @@ def _huge_page_kib(tensor: torch.Tensor) -> int:
 
 
 def test_buffers_start_on_a_huge_page_boundary_and_moved_pages_stay_huge():
-    """[Note: buffers start on a huge-page boundary] in memory.py: a move between buffers at different
+    """[Note: buffers start on a huge-page boundary] in engine/memory/buffers.py: a move between buffers at different
     offsets from a 2 MiB boundary split the huge pages (AnonHugePages 0 after the move, 22 MiB before)."""
     if not parking.can_park():
         pytest.skip("this kernel cannot move pages (mremap without MREMAP_DONTUNMAP)")

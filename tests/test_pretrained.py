@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,15 @@ from distributed import run_ranks
 transformers = pytest.importorskip("transformers")
 
 from lightning_zero3 import (  # noqa: E402
-    CheckpointError, CheckpointMismatchError, PeerLoadError, Zero3Config, Zero3Engine, load_pretrained,
+    CheckpointError,
+    CheckpointMismatchError,
+    PeerLoadError,
+    Zero3Config,
+    Zero3Engine,
+    load_pretrained,
 )  # fmt: skip
-from lightning_zero3.engine import sources  # noqa: E402
-from lightning_zero3.engine.materialize import parameters_on_meta  # noqa: E402
+from lightning_zero3.engine.layout import sources  # noqa: E402
+from lightning_zero3.engine.layout.materialize import parameters_on_meta  # noqa: E402
 
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip

@@ -11,9 +11,10 @@ from distributed import run_script
 from gpt import GPT, GPTConfig
 
 from lightning_zero3 import Zero3Config, Zero3Engine
-from lightning_zero3.engine import shard as shard_module
 from lightning_zero3.engine.offload.source import ParamSource
-from lightning_zero3.engine.residency import PROFILE_CALLS, UnitProfile, auto_budget, choose_resident
+from lightning_zero3.engine.schedule.residency import PROFILE_CALLS, UnitProfile, auto_budget, choose_resident
+from lightning_zero3.engine.schedule import gathers as gathers_module
+from lightning_zero3.engine.shard import flat_group as shard_module
 
 SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"
 
@@ -141,7 +142,9 @@ def test_one_process_does_not_gather_ahead_a_unit_whose_read_is_still_in_flight(
     monkeypatch.setattr(ParamSource, "still_reading", lambda self: self.pending_read is not None)
     events: list[tuple[str, str]] = []
     issue = shard_module.issue
-    monkeypatch.setattr(shard_module, "issue", lambda groups: (events.extend(("gather", g.name) for g in groups), issue(groups)))
+    noted = lambda groups: (events.extend(("gather", g.name) for g in groups), issue(groups))  # noqa: E731
+    monkeypatch.setattr(shard_module, "issue", noted)
+    monkeypatch.setattr(gathers_module, "issue", noted)
     x = torch.randint(0, 64, (2, 12))
     outputs = {}
     for budget in ("all", "half"):

@@ -7,7 +7,7 @@ import torch
 from gpt import GPT, GPTConfig, random_tokens
 
 from lightning_zero3 import Zero3Config, Zero3Engine
-from lightning_zero3.engine.gradients import unscale_
+from lightning_zero3.engine.grads.gradients import unscale_
 
 
 def _grads(*values) -> list[torch.Tensor]:

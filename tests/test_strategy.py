@@ -9,12 +9,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from checkpoint_files import assert_sharded_layout
 from distributed import run_script
+from gpt import GPT, GPTConfig
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero3
-from checkpoint_files import assert_sharded_layout
-from gpt import GPT, GPTConfig
 from lightning_zero3 import UnsupportedPrecisionError, Zero3Config, Zero3ConfigError, Zero3Precision, Zero3Strategy
 
 SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..engine.libc import LIBC
+from ..engine.memory.libc import LIBC
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -13,14 +13,14 @@ since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max
   - ``utilization``: busbw against the peak busbw measured for the same kind and message size on this
     job's group at start-up, right after the first step, when the sizes this job uses are known
     (``Communicator.measure_peaks``, like nccl-tests: warm-up calls, then ``peak_repeats`` timed calls,
-    the slowest rank's median, see [Note: peak bandwidth] in ``engine/comm.py``; a size first seen later
+    the slowest rank's median, see [Note: peak bandwidth] in ``engine/comm/communicator.py``; a size first seen later
     is measured then), weighted by message: sum(bytes_s / peak_algbw_s) / sum(seconds_s) over the sizes
     s. It is logged as it is: above 1, training beat the measured peak, which means the peak measurement
     is off (taken while the machine was busy, or from too few calls), and the monitor warns once per
     kind, with how to measure again.
 And ``zero3/comm/prefetch_hit_rate``: the share of unit starts whose parameters were already gathered
 or in flight; ``zero3/comm/trace_changes``: the training steps (backward passes) of the interval whose
-unit order differed from the recorded trace (see [Note: the trace may change] in ``engine/schedule.py``).
+unit order differed from the recorded trace (see [Note: the trace may change] in ``schedule/prefetch.py``).
 
 Advice when an all-gather or reduce-scatter runs below ``utilization_threshold`` (default 0.7) of peak,
 and when any kind's utilization, averaged over ranks, exceeds 1 (the mean over ranks, not one rank's
@@ -35,7 +35,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
-from ..engine.comm import Communicator
+from ..engine.comm.communicator import Communicator
 from .monitor import Figures, Layout, Zero3Monitor, Zero3MonitorError
 
 NAN = float("nan")

@@ -55,8 +55,8 @@ def lora_merge(module: nn.Module) -> Optional[LoraMerge]:
     """The merge of every peft LoRA layer inside ``module`` (None when it has none)."""
     if "peft" not in sys.modules:
         return None
-    from peft.tuners.lora import LoraLayer
     from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
 
     layers = [(path, m) for path, m in module.named_modules() if isinstance(m, LoraLayer)]
     if not layers:

@@ -22,19 +22,19 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..engine import Communicator, Zero3Engine
-from ..engine.memory import return_free_heap
-from .atomic import MANIFEST, TRAINER_STATE, CheckpointError, commit, partial_path, read_manifest, write_manifest
+from ..engine.memory.buffers import return_free_heap
+from .atomic import TRAINER_STATE, CheckpointError, commit, partial_path, read_manifest, write_manifest
+from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
 from .files import torch_load_checked, write_torch_file
 from .hf import HF_CONFIG, find_hf_model, hf_configuration
-from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
 from .sharded import (
     MODEL_PREFIX,
-    model_pieces,
-    optimizer_pieces,
     CheckpointMismatchError,
     check_model_fits,
     merge_optimizer_rest,
+    model_pieces,
     model_targets,
+    optimizer_pieces,
     optimizer_targets,
     split_optimizer_part,
 )

@@ -26,7 +26,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from ..engine.memory import host_buffer, return_free_heap
+from ..engine.memory.buffers import host_buffer, return_free_heap
 from .atomic import read_manifest
 from .dcp_io import FlatPiece, load_pieces
 from .hf import DEFAULT_MAX_SHARD, HF_CONFIG, write_hf_directory

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..engine.memory import OFFLOAD_HOST, ByteLedger, host_buffer
+from ..engine.memory.buffers import OFFLOAD_HOST, ByteLedger, host_buffer
 from ..engine.offload.aio import read_range, write_range
 from ..engine.offload.swapdir import SwapFile
 
@@ -126,7 +126,7 @@ def _resolve(state_dict: dict[str, Any], index: MetadataIndex) -> Optional[torch
     tensor = value.tensor
     if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         # DCP writes whole storages: a view of a shard would be cloned on the heap; a mapping of its own
-        # goes back to the kernel once written (see [Note: the heap between phases] in engine/memory.py)
+        # goes back to the kernel once written (see [Note: the heap between phases] in engine/memory/buffers.py)
         copy = host_buffer(tensor.numel(), tensor.dtype)
         copy.copy_(tensor)
         return copy

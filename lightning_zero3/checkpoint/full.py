@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..engine import Zero3Engine
-from ..engine.state import full_state_layout, gathered_state
+from ..engine.state.optimizer_state import full_state_layout, gathered_state
 from .api import agree_on_outcome
 from .atomic import fsync_path
 from .writers import TensorEntry, TorchFileWriter, placeholder

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from ..engine import Zero3Engine
+from ..engine.grads.optim import optimizer_params
+from ..engine.layout.slots import ParamSlot
 from ..engine.offload.store import MASTER, state_kind
-from ..engine.optim import optimizer_params
-from ..engine.shard import FlatGroup, ParamSlot
+from ..engine.shard.flat_group import FlatGroup
 from .dcp_io import FileRange, FlatPiece
 
 MODEL_PREFIX = "model."

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..engine.memory import host_buffer
+from ..engine.memory.buffers import host_buffer
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

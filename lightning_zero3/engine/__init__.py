@@ -1,11 +1,25 @@
-"""ZeRO stage 3, Lightning-free. See ``engine.py`` for the entry point and ``../../README.md`` for the picture."""
+"""ZeRO stage 3, Lightning-free. See ``engine.py`` for the entry point and ``../../README.md`` for the picture.
 
-from .comm import Communicator
+The folders are layers in the order data flows; each imports only those before it:
+
+    memory/    buffers, the byte ledger, parked pages                 (imports nothing of the engine)
+    comm/      collectives, their timing, order checks, the watchdog (imports nothing of the engine)
+    layout/    units, parameter slots, meta-device init, sources       -> memory
+    offload/   master / gradient / optimizer state in host memory or on NVMe -> memory
+    shard/     a unit's flat group, how it is gathered, secondary shards -> memory, comm, layout, offload
+    grads/     gradient arrival and reduction, clipping, the sharded optimizer -> ... shard
+    schedule/  execution order, prefetch, the hooks, inference residency -> ... grads
+    state/     optimizer state full <-> sharded, loading sources        -> ... grads
+
+On top: ``engine.py`` (``Zero3Engine``, with its optimizer side in ``optimizers.py``) and ``scaler.py``.
+"""
+
+from ..errors import OptimizerShardingError
+from .comm.agreement import ExecutionOrderError
+from .comm.communicator import Communicator
+from .comm.process_exit import close_process_groups
 from .engine import NoTrainableParametersError, Zero3Engine, engine_of, gathered_parameters, unshard
-from .optim import OptimizerShardingError
-from .released import ParameterNotGatheredError
-from .agreement import ExecutionOrderError
-from .process_exit import close_process_groups
+from .layout.released import ParameterNotGatheredError
 
 __all__ = [
     "Communicator",

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.atomic import CheckpointError
-from ..engine import sources
 from ..engine.engine import Zero3Engine, owning_engine
-from ..engine.loading import load_sources
-from ..engine.materialize import has_meta_tensors
-from ..engine.sources import PendingValues, read_whole
+from ..engine.layout import sources
+from ..engine.layout.materialize import has_meta_tensors
+from ..engine.layout.sources import PendingValues, read_whole
+from ..engine.state.loading import load_sources
 from .matching import KeyMap, match
 from .tensor_files import open_checkpoint
 

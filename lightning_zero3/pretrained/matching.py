@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.sharded import CheckpointMismatchError
-from ..engine.sources import PendingValues
+from ..engine.layout.sources import PendingValues
 
 KeyMap = Optional[Union[Mapping[str, str], Callable[[str], Optional[str]]]]
 SHOWN = 8  # names listed per kind of problem in an error

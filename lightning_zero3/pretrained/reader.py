@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..engine.memory import host_buffer
+from ..engine.memory.buffers import host_buffer
 
 ALIGN = 4096  # O_DIRECT: memory address, file offset and length are multiples of it
 PIECE = 8 << 20  # bytes read per request

@@ -25,8 +25,8 @@ from typing import Any, Union
 import torch
 
 from ..checkpoint.atomic import CheckpointError
-from ..engine.memory import populate
-from ..engine.sources import TensorValue
+from ..engine.layout.sources import TensorValue
+from ..engine.memory.buffers import populate
 from .reader import CheckpointFile
 
 SAFETENSORS_DTYPES = {

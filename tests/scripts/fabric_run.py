@@ -25,8 +25,9 @@ from lightning.fabric import Fabric
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
-import lightning_zero3  # noqa: E402
 from gpt import GPT, GPTConfig, random_tokens  # noqa: E402
+
+import lightning_zero3  # noqa: E402
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 SMALL_UNITS = dict(persistence_threshold=1000)
@@ -124,7 +125,7 @@ def run_resume(fmt: str, out: Path) -> dict:
 def record_exit(out: Path) -> None:
     """Registered before zero3's exit handler, so it runs after it: what zero3 left running at this
     process's exit (``OUT/exit-<pid>.json``). No Fabric of this script is torn down, as Fabric leaves them."""
-    from lightning_zero3.engine.process_exit import gloo_threads
+    from lightning_zero3.engine.comm.process_exit import gloo_threads
 
     def record() -> None:
         watchdogs = [t.name for t in threading.enumerate() if t.name.startswith("zero3-watchdog")]

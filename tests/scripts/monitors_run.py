@@ -18,8 +18,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import lightning_zero3  # noqa: E402
 from gpt import GPTConfig, GPTModule, random_tokens  # noqa: E402
+
+import lightning_zero3  # noqa: E402
 from lightning_zero3.callbacks import CommMonitor, MemoryMonitor  # noqa: E402
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=64)

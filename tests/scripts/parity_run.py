@@ -22,8 +22,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import lightning_zero3  # noqa: E402  (registers "zero3")
 from gpt import GPTConfig, GPTModule, random_tokens  # noqa: E402
+
+import lightning_zero3  # noqa: E402  (registers "zero3")
 
 STEPS = 10
 BATCH = 4

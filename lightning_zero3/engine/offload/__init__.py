@@ -1,7 +1,8 @@
 """Offload: optimizer state, master and gradient shards in host memory or on NVMe; parameter shards
 streamed to the device just in time.
 
-- ``resources.py``      what a run's groups share: tiers, copies, swap folder, I/O, host buffer pool
+- ``tiers.py``          what a run's groups share: tiers, copies, swap folder, I/O, host buffer pool
+- ``resources.py``      the shared tiers plus every group's store and source
 - ``store.py``          one group's master / gradient / optimizer state in its tier (residency, accumulation)
 - ``source.py``         what one group's all-gathers read from, per parameter tier
 - ``streaming.py``      walking every group with a read-ahead window (step, gradient passes, checkpoints)
@@ -9,6 +10,8 @@ streamed to the device just in time.
 - ``aio.py``            asynchronous reads and writes of swap files on a thread pool
 - ``swapdir.py``        the private swap folder: checks, allocation, clean-up (also after a crash)
 - ``copies.py``         device <-> host copies (side stream and pinned staging on CUDA)
+
+Imports: ``memory`` (and the package's ``errors``); the shard above hands each store the views it needs.
 """
 
 from .aio import AsyncFileIO, IOStats

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..memory import BufferPool, ByteLedger, OFFLOAD_HOST
+from ..memory.buffers import OFFLOAD_HOST, BufferPool, ByteLedger
 
 
 class Ticket:

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..optim import OptimizerShardingError
+from ...errors import OptimizerShardingError
 from .source import ParamSource
 from .store import GroupStore
 from .streaming import pipelined

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..memory import OFFLOAD_HOST, PARAM_SHARDS, ByteLedger, host_buffer, reclaim, release
+from ..memory.buffers import OFFLOAD_HOST, PARAM_SHARDS, ByteLedger, host_buffer, reclaim, release
 from .store import MASTER, GroupStore
 
 

@@ -36,16 +36,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ..memory import OFFLOAD_HOST, OFFLOAD_NVME, host_buffer, return_free_heap
+from ..memory.buffers import OFFLOAD_HOST, OFFLOAD_NVME, host_buffer, return_free_heap
 from .aio import write_range
-
-if TYPE_CHECKING:
-    from .resources import Offload
+from .tiers import OffloadTiers
 
 MASTER, GRAD = "master", "grad"
 
@@ -77,7 +75,7 @@ def state_kind(key: str) -> str:
 class GroupStore:
     """One group's master, gradient and optimizer state in the offload tiers (see the module notes)."""
 
-    def __init__(self, offload: "Offload", index: int, initial: torch.Tensor, trainable: bool) -> None:
+    def __init__(self, offload: OffloadTiers, index: int, initial: torch.Tensor, trainable: bool) -> None:
         self.offload = offload
         self.name = f"g{index}"
         self.numel, self.dtype = initial.numel(), initial.dtype
@@ -283,7 +281,7 @@ class GroupStore:
         self.states = {}
         self._evict()
         if created:  # the optimizer's own state tensors (heap) were copied into our buffers and dropped
-            return_free_heap()  # [Note: the heap between phases] in memory.py
+            return_free_heap()  # [Note: the heap between phases] in memory/buffers.py
 
     def _evict(self) -> None:
         """Placeholders in place of everything now on disk (see [Note: NVMe-tier residency]); one empty

@@ -56,118 +56,21 @@ import statistics
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
+from .records import Agreement, CollectiveStats, Pending, Works
 from .timing import Clock, Span, clock_for
 from .topology import Topology, inter_node_bytes
-
-
-@dataclass
-class CollectiveStats:
-    """Totals for one collective kind since the engine started."""
-
-    count: int = 0
-    bytes: int = 0
-    seconds: float = 0.0  # issue to completion
-    exposed_seconds: float = 0.0  # time the compute side waited for it
-    inter_node_bytes: int = 0  # received from ranks on other nodes, see [Note: inter-node bytes] in topology.py
-
-    def add(self, nbytes: int, seconds: float, exposed: float, inter_node: int = 0) -> None:
-        self.count += 1
-        self.bytes += nbytes
-        self.seconds += seconds
-        self.exposed_seconds += exposed
-        self.inter_node_bytes += inter_node
-
-
-class Pending:
-    """An issued collective. ``wait()`` completes it (once), then runs its finisher; its time goes to the
-    communicator's totals once it can be read (see [Note: completion time] in ``timing.py``)."""
-
-    def __init__(
-        self,
-        comm: "Communicator",
-        work: Any,
-        span: Span,
-        stats: list[CollectiveStats],
-        nbytes: int,
-        finish: Optional[Callable[[], None]],
-        inter_node: int = 0,
-    ) -> None:
-        self._comm = comm
-        self._work = work
-        self._span = span
-        self._stats = stats
-        self._nbytes = nbytes
-        self._inter_node = inter_node
-        self._finish = finish
-        self.done = False
-        span.issued(work)
-
-    def ready(self) -> bool:
-        """Whether ``wait()`` would return without blocking (the collective has completed)."""
-        return self.done or self._work is None or self._work.is_completed()
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        self._span.waiting()
-        if self._work is not None:
-            self._work.wait()
-        self._span.waited()
-        if self._finish is not None:
-            self._finish()
-        self._comm._record(self._span, self._stats, self._nbytes, self._inter_node)
-        self.done = True
-
-
-class Agreement:
-    """Every rank's tag of an ``agree_later``, once it has arrived (``rows``)."""
-
-    def __init__(self, comm: "Communicator", work: Any, everyone: Any, before: Optional[str]) -> None:
-        self._comm, self._work, self._everyone, self._before = comm, work, everyone, before
-        self._rows: Optional[list[list[int]]] = everyone if work is None else None
-
-    def rows(self) -> list[list[int]]:
-        if self._rows is None:
-            start = time.perf_counter()
-            self._work.wait()
-            self._rows = self._everyone.tolist()
-            if self._before is not None:  # straight into the totals: ``stats`` would drain (a CUDA sync)
-                totals = self._comm._stats[self._before]
-                elapsed = time.perf_counter() - start
-                totals.seconds += elapsed
-                totals.exposed_seconds += elapsed
-        return self._rows
-
 
 # The ways of doing each collective that ``tune`` chooses between.
 ALL_GATHER_WAYS = ("all_gather_single", "all_gather_list")
 REDUCE_SCATTER_WAYS = ("reduce_scatter_single", "all_reduce_slice")
 # a third way of each for groups of two ranks: [Note: a pair swaps halves], [Note: a pair swaps shards]
 PAIR_EXCHANGE = "exchange_pair"
-
-
-class _Works:
-    """The works of a batch of point-to-point operations, waited for as one collective's."""
-
-    def __init__(self, works: list) -> None:
-        self._works = works
-
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
-    def get_future(self) -> Any:
-        return self._works[-1].get_future()  # the receive: once it is done, the data is here
 
 
 # every Communicator of this process, for ``forget_process_groups`` (see [Note: process groups closed at exit])
@@ -431,23 +334,23 @@ class Communicator:
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
         return self._finish(Pending(self, work, span, sinks, nbytes, finish, inter_node), async_op)
 
-    def _swap(self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any) -> _Works:
+    def _swap(self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any) -> Works:
         """Send ``send`` to the other rank of a two-rank ``group`` and receive its message into ``receive``.
 
         [Note: swap tags]
         Each message carries a tag that both ranks count alike per kind: all-gathers are issued in one
         order on every rank (the recorded execution order, each agreed on first, see agreement.py), and so
-        are reduce-scatters ([Note: reduction order] in grads.py), so several swaps in flight cannot be
+        are reduce-scatters ([Note: reduction order] in grads/reduction.py), so several swaps in flight cannot be
         confused. The two kinds keep counters of their own: how a rank's gathers and reductions interleave
         legitimately differs between ranks (see [Note: three process groups])."""
         peer = dist.get_global_rank(group, 1 - self.rank) if group is not None else 1 - self.rank
         tag = self._pair_tags[kind] = (self._pair_tags[kind] + 1) % (1 << 30)
-        return _Works(dist.batch_isend_irecv([
+        return Works(dist.batch_isend_irecv([
             dist.P2POp(dist.isend, send, peer, group, tag),
             dist.P2POp(dist.irecv, receive, peer, group, tag),
         ]))  # fmt: skip
 
-    def _swap_halves(self, output: torch.Tensor, full: torch.Tensor, group: Any) -> tuple[_Works, Callable[[], None]]:
+    def _swap_halves(self, output: torch.Tensor, full: torch.Tensor, group: Any) -> tuple[Works, Callable[[], None]]:
         """The reduce-scatter of a group of two ranks as one swap: each sends the half of ``full`` that the
         other keeps and receives the other's copy of its own half straight into ``output``; the finisher
         adds its own half.
@@ -465,7 +368,7 @@ class Communicator:
         mine = full[me * width : (me + 1) * width]
         return works, lambda: output.add_(mine)
 
-    def _swap_shards(self, output: torch.Tensor, shard: torch.Tensor, group: Any) -> _Works:
+    def _swap_shards(self, output: torch.Tensor, shard: torch.Tensor, group: Any) -> Works:
         """The all-gather of a group of two ranks as one swap: each sends its ``shard`` and receives the
         other's straight into its place in ``output``, and copies its own into place meanwhile.
 

@@ -3,22 +3,32 @@ into shards] in sources.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol, Sequence
 
 import torch
+from torch import nn
 
-from .memory import return_free_heap
-from .sources import PendingValues, read_whole
+from ..comm.communicator import Communicator
+from ..layout.sources import PendingValues, read_whole
+from ..memory.buffers import return_free_heap
+from ..shard.runtime import UnitRuntime
 
-if TYPE_CHECKING:
-    from .engine import Zero3Engine
+
+class Loaded(Protocol):
+    """What loading reads of the engine (``engine.Zero3Engine``; named here so this file needs nothing above it)."""
+
+    comm: Communicator
+    module: nn.Module
+    runtimes: Sequence[UnitRuntime]
+
+    def settle(self) -> None: ...
 
 
 class LoadError(RuntimeError):
     """Reading a checkpoint into the shards failed on some rank; every rank raises it."""
 
 
-def load_sources(engine: "Zero3Engine", values: PendingValues) -> None:
+def load_sources(engine: Loaded, values: PendingValues) -> None:
     """Write this rank's piece of every parameter that has a source (persistent ones whole), and every
     buffer that has one; then refresh what reads the masters (offload tiers, secondary shards, units
     gathered right now). Every rank calls it; the only collectives are a re-gather of the units gathered
@@ -50,7 +60,7 @@ def load_sources(engine: "Zero3Engine", values: PendingValues) -> None:
     return_free_heap()
 
 
-def _read_all(engine: "Zero3Engine", values: PendingValues) -> None:
+def _read_all(engine: Loaded, values: PendingValues) -> None:
     with torch.no_grad():
         for runtime in engine.runtimes:
             group = runtime.group

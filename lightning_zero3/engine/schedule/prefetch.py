@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
-from .agreement import ExecutionOrderError, OrderCheck
+from ..comm.agreement import ExecutionOrderError, OrderCheck
 
 if TYPE_CHECKING:
-    from .runtime import UnitRuntime
+    from ..shard.runtime import UnitRuntime
 
 __all__ = ["ExecutionOrderError", "Schedule", "Start", "MAX_INFLIGHT_GATHERS"]
 

@@ -1,6 +1,6 @@
 """Module and autograd hooks: when each unit is gathered, released and handed to the reduction queue.
 
-Forward:  pre-hook gathers (and prefetches the next units, see ``schedule.py``) and passes the unit's
+Forward:  pre-hook gathers (and prefetches the next units, see ``schedule/prefetch.py``) and passes the unit's
           inputs that need gradients through ``_PostBackward``; post-hook registers a pre-backward hook on
           the outputs and releases.
 Backward: the pre-backward hook (first gradient reaching an output) re-gathers. The unit's backward is
@@ -67,12 +67,12 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from .agreement import ExecutionOrderError
-from .grads import ReductionQueue
+from ..comm.agreement import ExecutionOrderError
+from ..grads.reduction import ReductionQueue
+from ..shard.runtime import PostBackwardToken, UnitRuntime
+from .gathers import start_gathers
+from .prefetch import Schedule
 from .residency import Residency
-from .runtime import PostBackwardToken, UnitRuntime
-from .schedule import Schedule
-from .shard import start_gathers
 
 
 def in_backward() -> bool:
@@ -214,7 +214,7 @@ class HookManager:
     def _begin_backward_at(self, tensors: list[torch.Tensor]) -> None:
         """[Note: the persistent group lands when backward begins]
         The persistent group has no module of its own, so no unit's pre-backward hook lands its
-        gradients (see [Note: gradients land in a pooled buffer] in shard.py); left alone, autograd
+        gradients (see [Note: gradients land in a pooled buffer] in shard/flat_group.py); left alone, autograd
         allocated each of its parameters' gradients, and packing copied them one by one, a kernel each
         on a GPU: the biases and norms of every block under ``persistence_threshold``, and the whole
         model where every parameter is small. So the group lands when backward begins: at a hook on the
@@ -232,7 +232,7 @@ class HookManager:
     def _gather_ahead_for_backward(self) -> None:
         """A forward that backward will follow ended: agree now on the first gathers of the backward, so
         that its first start issues them at once instead of agreeing on them there, a unit late (see
-        [Note: a blocking check takes the gathers ahead along] in shard.py). Measured on the benchmark
+        [Note: a blocking check takes the gathers ahead along] in shard/flat_group.py). Measured on the benchmark
         GPT: the first block gathered in backward waited 25 ms per step for a gather issued at its own
         start. A forward whose backward never comes leaves them gathered until the next forward starts
         (``_drop_holds_for_a_backward_not_run``)."""
@@ -295,7 +295,7 @@ class HookManager:
                 runtime.backward_started = True
                 runtime.backward_hold = True
                 self._start("backward", runtime)
-                runtime.group.land_gradients()  # [Note: gradients land in a pooled buffer] in shard.py
+                runtime.group.land_gradients()  # [Note: gradients land in a pooled buffer] in shard/flat_group.py
             self.queue.advance()
 
         for tensor in tensors:
@@ -380,7 +380,7 @@ def _check_no_late_gradients(runtimes: list[UnitRuntime]) -> None:
 
 
 def _check_trainable_set(runtimes: list[UnitRuntime]) -> None:
-    """[Note: the trainable set is fixed at setup] in shard.py."""
+    """[Note: the trainable set is fixed at setup] in shard/flat_group.py."""
     changed = [name for runtime in runtimes for name in runtime.group.requires_grad_changed()]
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")

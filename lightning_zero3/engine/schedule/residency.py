@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ..config import Budget, parse_budget
-from . import parking
+from ...config import Budget, parse_budget
+from ..memory import parking
 
 #: profile calls: the first warms the prefetch pipeline and the allocator, the next ones are measured
 PROFILE_CALLS = 3

@@ -17,18 +17,27 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
+from torch import nn
 
-from .memory import drop_pages
-from .offload.aio import write_range
-from .offload.store import state_kind
-from .optim import optimizer_params
-from .shard import FlatGroup, ParamSlot
+from ..comm.communicator import Communicator
+from ..grads.optim import optimizer_params
+from ..layout.slots import ParamSlot
+from ..memory.buffers import drop_pages
+from ..offload.aio import write_range
+from ..offload.store import state_kind
+from ..shard.flat_group import FlatGroup
 
-if TYPE_CHECKING:
-    from .engine import Zero3Engine
+
+class Sharded(Protocol):
+    """What the optimizer-state code reads of the engine (``engine.Zero3Engine``; named here so this file
+    needs nothing above it)."""
+
+    comm: Communicator
+
+    def group_of(self, shard_param: nn.Parameter) -> tuple[FlatGroup, ParamSlot]: ...
 
 
 def _on_disk(group: FlatGroup) -> bool:
@@ -44,14 +53,14 @@ class FullStateLayout:
     scalars: dict[int, dict] = field(default_factory=dict)  # index -> everything else (``step``, ...)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # per-element key -> dtype
 
-    def by_group(self, engine: "Zero3Engine") -> dict[FlatGroup, list[int]]:
+    def by_group(self, engine: Sharded) -> dict[FlatGroup, list[int]]:
         groups: dict[FlatGroup, list[int]] = {}
         for index, param in enumerate(self.params):
             groups.setdefault(engine.group_of(param)[0], []).append(index)
         return groups
 
 
-def full_state_layout(optimizer: torch.optim.Optimizer, engine: "Zero3Engine") -> FullStateLayout:
+def full_state_layout(optimizer: torch.optim.Optimizer, engine: Sharded) -> FullStateLayout:
     """Which (parameter, key) pairs exist on some rank, and the scalars (a collective)."""
     layout = FullStateLayout(optimizer_params(optimizer))
     mine: dict[int, dict[str, str]] = {}
@@ -81,7 +90,7 @@ def _is_per_element(group: FlatGroup, key: str, value: Any, param: torch.Tensor)
 
 @contextmanager
 def gathered_state(
-    engine: "Zero3Engine", optimizer: torch.optim.Optimizer, layout: FullStateLayout, group: FlatGroup,
+    engine: Sharded, optimizer: torch.optim.Optimizer, layout: FullStateLayout, group: FlatGroup,
     indices: list[int], key: str,
 ) -> Iterator[torch.Tensor]:
     """State ``key`` of every parameter of ``group``, full and flat like ``group.full`` (a collective;
@@ -112,7 +121,7 @@ def gathered_state(
             group.pool.give(local)
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, engine: "Zero3Engine") -> dict[str, Any]:
+def full_optimizer_state(optimizer: torch.optim.Optimizer, engine: Sharded) -> dict[str, Any]:
     """The whole full state dict in memory (a collective; for models that fit one process)."""
     layout = full_state_layout(optimizer, engine)
     state: dict[int, dict[str, Any]] = {index: dict(values) for index, values in layout.scalars.items()}
@@ -127,7 +136,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, engine: "Zero3Engine"
     return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
-def load_full_optimizer_state(optimizer: torch.optim.Optimizer, full: dict[str, Any], engine: "Zero3Engine") -> None:
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, full: dict[str, Any], engine: Sharded) -> None:
     """Keep this rank's slice of every per-element tensor of ``full`` (which may be memory-mapped from a
     file: its pages are dropped once read); under NVMe the slice goes straight to the state's swap file."""
     shard_params = optimizer_params(optimizer)

@@ -1,7 +1,7 @@
 """What a user's parameter is while its unit is released, and the error for touching it.
 
 [Note: released parameters raise a clear error]
-A released parameter keeps its shape, dtype and identity, but its storage is empty (see ``memory.py``).
+A released parameter keeps its shape, dtype and identity, but its storage is empty (see ``memory/buffers.py``).
 Left alone, any read of it would fail deep inside torch with an out-of-bounds storage message. So while
 released, the parameter's class is switched to ``ReleasedParameter``, whose ``__torch_function__`` lets
 metadata through (shape, dtype, requires_grad, numel, ... : enough for optimizers, model summaries and

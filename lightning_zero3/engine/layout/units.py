@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from ..config import UnitPolicy
-from ..errors import Zero3ConfigError
+from ...config import UnitPolicy
+from ...errors import Zero3ConfigError
 
 ROOT = ""  # module path of the root unit
 ADAPTER_SHARE = 1 / 8  # most elements of a frozen unit that its trainable parameters may hold to be adapters (rule 4)

@@ -12,7 +12,7 @@ parameters therefore work unchanged over the shards.
 
 Words used below: the *master* is what the shard parameters view and the optimizer steps (``shard``
 itself without offload); ``shard`` is the device-side source of this rank's all-gathers; ``full`` is the
-gathered buffer the user's parameters view (see [Note: releasing gathered buffers] in memory.py). Under
+gathered buffer the user's parameters view (see [Note: releasing gathered buffers] in memory/buffers.py). Under
 offload the master lives in a ``GroupStore`` (host memory or NVMe) and the all-gather source is refilled
 by a ``ParamSource``; the group hands both the views they need and then only calls them.
 """
@@ -20,15 +20,16 @@ by a ``ParamSource``; the group hands both the views they need and then only cal
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .comm import Communicator
-from .gather import Then, issue, route_of
-from .memory import (
+from ..comm.communicator import Communicator
+from ..layout.released import engine_access, mark_gathered, mark_released
+from ..layout.slots import DtypePolicy, ParamSlot
+from ..layout.sources import TensorValue
+from ..memory.buffers import (
     GATHERED_PARAMS,
     GRAD_SHARDS,
     PARAM_SHARDS,
@@ -40,43 +41,14 @@ from .memory import (
     releasable_buffer,
     release,
 )
-from .released import engine_access, mark_gathered, mark_released
-from .sources import TensorValue
+from .gather import Then, issue, route_of
 
 if TYPE_CHECKING:
-    from .agreement import OrderCheck
-    from .materialize import Materializer
-    from .offload import Offload, ParamSource, GroupStore
+    from ..comm.agreement import OrderCheck
+    from ..layout.materialize import Materializer
+    from ..layout.sources import TensorSource
+    from ..offload import GroupStore, Offload, ParamSource
     from .secondary import SecondaryShard
-    from .sources import TensorSource
-
-
-@dataclass(frozen=True)
-class DtypePolicy:
-    """Dtypes around the shards. The *master* dtype is the parameters' own (what the shards, the gradient
-    shards and the optimizer keep); ``compute`` is what parameters are gathered in and forward runs
-    with; ``reduce`` is what gradients are reduce-scattered in. ``None`` means the master dtype."""
-
-    compute: Optional[torch.dtype] = None
-    reduce: Optional[torch.dtype] = None
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one user parameter lives: in ``full`` at ``offset`` and, on this rank, ``shard[lo:hi]``."""
-
-    name: str
-    param: nn.Parameter
-    original_class: type
-    offset: int
-    numel: int
-    shard_param: nn.Parameter  # this rank's piece of ``param``, a view into the group's master
-    lo: int  # the piece's position inside the shard
-    hi: int
-
-    def piece_start(self, rank: int, shard_numel: int) -> int:
-        """Where this rank's piece starts inside the flattened parameter."""
-        return rank * shard_numel + self.lo - self.offset
 
 
 class FlatGroup:
@@ -199,7 +171,7 @@ class FlatGroup:
         self.secondary: Optional["SecondaryShard"] = None  # node-local copy for backward (secondary.py)
         self.source: Optional["ParamSource"] = None
         if offload is not None and self.store is not None:
-            from .offload import ShardView
+            from ..offload import ShardView
 
             self.store.bind([ShardView(s.shard_param, s.lo, s.hi, s.param.requires_grad) for s in self.slots])
             self.source = offload.new_source(self.store, self.shard, aliased)
@@ -263,12 +235,12 @@ class FlatGroup:
         (see [Note: gathers ahead do not wait for the disk])."""
         return self.source is not None and self.source.aliased and self.source.still_reading()
 
-    def _after_gather(self) -> None:
+    def after_gather(self) -> None:
         """An all-gather read the device shard: under offload it may go back to its tier."""
         if self.source is not None:
             self.source.after_gather()
 
-    def _begin_fill(self) -> None:
+    def begin_fill(self) -> None:
         """Give ``full`` its memory back before a gather writes into it."""
         if not self.gathered:
             reclaim(self.full)
@@ -284,7 +256,7 @@ class FlatGroup:
         self.pending.issue()  # a gather agreed on ahead is issued now (see [Note: checks run a unit ahead])
         self.pending.wait()
         self.pending = None
-        self._after_gather()
+        self.after_gather()
         mark_gathered(self._classes)
         self.gathered = True
 
@@ -299,7 +271,7 @@ class FlatGroup:
             return self.shard, None
         if self.store.master is not None:
             return self.store.master, None
-        from .offload.store import MASTER
+        from ..offload.store import MASTER
 
         future, buffer = self.store.read_file(MASTER)
         self.store.offload.io.wait(future)
@@ -440,7 +412,7 @@ class FlatGroup:
         +240 MB on 128 units of 4 MB). A gradient that already exists is accumulated into in place, so a
         zeroed view of a pooled buffer, set before the unit's backward starts, receives the gradient with
         no allocation; the buffer is then what the reduce-scatter sends (see [Note: the landing buffer is
-        sent] in grads.py), back to the pool once it has been sent. A landing view exists whether or not
+        sent] in grads/reduction.py), back to the pool once it has been sent. A landing view exists whether or not
         autograd wrote into it: which parameters really received a gradient is told by the buffer's
         version counter ([Note: which parameters received a gradient] in arrivals.py)."""
         if self.landing is not None or not self.trainable:
@@ -481,7 +453,7 @@ class FlatGroup:
         self._trainable_set = frozenset(self._trainable_index)
         self._classes = [(slot.param, slot.original_class) for slot in self.slots]
         # the trainable parameters with a piece on this rank, and each piece's view of the gradient shard:
-        # see [Note: the gradient shard in one pass] in grads.py
+        # see [Note: the gradient shard in one pass] in grads/reduction.py
         self.local_trainable_slots = [slot for slot in self.trainable_slots if slot.hi > slot.lo]
         shard = self.grad_shard
         self.grad_views = [] if shard is None else [shard[s.lo : s.hi] for s in self.local_trainable_slots]
@@ -505,67 +477,3 @@ class FlatGroup:
         (see [Note: counting a unit's gradients] in hooks.py)."""
         with engine_access():  # released parameters: plain attribute reads
             return next((slot.param for slot in self.trainable_slots if slot.param.grad is not None), None)
-
-
-def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bool = True) -> None:
-    """Issue the all-gathers of ``groups`` (in this order, the same on every rank) without waiting.
-    ``groups[0]`` is needed at once unless ``first_needed`` is False (every group is gathered ahead).
-
-    Groups smaller than ``coalesce_below`` elements share one all-gather (one per route, see
-    [Note: gather routes] in gather.py).
-
-    [Note: coalesced all-gather]
-    An all-gather concatenates the ranks' inputs rank by rank. Each rank sends its shards of several
-    groups side by side, so the output is rank-major, ``[g1 slice 0 | g2 slice 0 | ... | g1 slice 1 | ...]``;
-    once it lands, each group's column block is copied into its own ``full`` buffer.
-
-    [Note: gathers ahead do not wait for the disk]
-    Issuing a gather reads its input, and under NVMe offload that waits for the shard's read from the
-    disk. Gathered ahead while its read is still in flight, a unit would make the compute
-    wait for the disk right where the read was issued instead of where the unit runs: with 75% of a
-    model resident, generation took 89 ms per token, the 45 ms of compute plus the 42 ms of reading. With
-    one process the gather is the read itself (the shard is the gathered buffer), so such a unit is left
-    to its own start, and the read runs behind the compute of the units before it. With several ranks
-    every rank must issue the same gathers in the same order, and how far a read has got is this rank's
-    own business, so there the gather ahead still waits for the read.
-
-    [Note: a blocking check takes the gathers ahead along]
-    Gathers ahead of need are agreed on at one start and issued at the next (see [Note: checks run a unit
-    ahead] in agreement.py), so they lead the compute by one unit less than they were chosen for. Where
-    the unit starting must be agreed on while everyone waits anyway (the first unit of a pass, a unit the
-    prefetch missed), the gathers ahead join that check and are issued right after the needed one: no
-    round trip more, and the first units prefetched in a pass lead by a whole unit (measured on the
-    benchmark GPT: the second block of each forward waited 16-20 ms for a gather issued at its own start).
-    """
-    check = groups[0].check
-    if check is not None:
-        check.settle()  # gathers agreed on ahead go first: see [Note: checks run a unit ahead] in agreement.py
-    needed = groups[:1] if first_needed else []
-    ahead = [g for g in groups[len(needed) :] if not g.read_in_flight_alone()]
-    # once each (a trace in which a unit repeats, a module called twice, may name it twice)
-    waiting = list(dict.fromkeys(g for g in needed + ahead if g.pending is None and not g.gathered))
-    if check is None or not check.checks_ahead:  # one process: nobody to agree with
-        _issue_coalesced(waiting, coalesce_below)
-        return
-    now = [g for g in waiting if g in needed]  # needed at once: agreed on while everyone waits
-    later = [g for g in waiting if g not in needed]  # ahead of need
-    if now:
-        check.check(now + later)  # [Note: a blocking check takes the gathers ahead along]
-        _issue_coalesced(now, coalesce_below)
-        _issue_coalesced(later, coalesce_below)
-    elif later:  # agreed on now, issued at the next start
-        check.check_ahead(later, lambda agreed: _issue_coalesced(agreed, coalesce_below))
-
-
-def _issue_coalesced(waiting: list[FlatGroup], coalesce_below: int) -> None:
-    """Issue the all-gathers of ``waiting``, the small groups on one route sharing one."""
-    together: dict = {}  # route -> the small groups gathered on it, in order
-    for group in waiting:
-        if group.full.numel() < coalesce_below:
-            together.setdefault(route_of(group), []).append(group)
-    for group in waiting:
-        batch = together.get(route_of(group), [])
-        if group not in batch:
-            issue([group])
-        elif group is batch[0]:
-            issue(batch)

@@ -7,7 +7,7 @@ with rank 1's gather of another: equal-sized units then mix silently, different 
 inside gloo ("Received data size doesn't match expected size") or hang under NCCL. So before issuing
 an all-gather, each rank all-gathers a tag of a few integers (``OrderCheck.tag``: step, pass, phase,
 sequence number, elements, and the units gathered) on the check group (see [Note: three process groups]
-in comm.py) and compares the rows: every rank sees the same rows, so on a mismatch every rank raises the
+in comm/communicator.py) and compares the rows: every rank sees the same rows, so on a mismatch every rank raises the
 same ``ExecutionOrderError``, naming what each rank was about to gather, before any gather is issued.
 The rows must be read before the gather is issued, because a mismatched gather could abort the process
 before a check behind it is read (gloo checks message sizes on its own thread: ``gloo::EnforceNotMet``,
@@ -40,12 +40,21 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
-from .comm import Agreement, Communicator
+import torch
 
-if TYPE_CHECKING:
-    from .shard import FlatGroup
+from .communicator import Communicator
+from .records import Agreement
+
+
+class Checked(Protocol):
+    """What the order check reads and sets of a unit's flat group (``shard/flat_group.FlatGroup``; named
+    here so that this file imports nothing above it)."""
+
+    name: str
+    full: torch.Tensor
+    pending: Optional[Any]  # a ``CheckedAhead`` between its check and its gather
 
 PHASES = ("outside", "forward", "backward", "trace check")
 TAG_LENGTH = 10  # every tag, so that any two tags can be compared (see ``agree``)
@@ -67,7 +76,7 @@ class ExecutionOrderError(RuntimeError):
 class OrderCheck:
     """Where this rank is (step, pass, phase, gathers so far) and the tags that say so."""
 
-    def __init__(self, groups: Sequence["FlatGroup"], comm: Communicator) -> None:
+    def __init__(self, groups: Sequence[Checked], comm: Communicator) -> None:
         self.comm = comm
         self.index = {id(group): i for i, group in enumerate(groups)}
         self.names = [group.name for group in groups]
@@ -89,7 +98,7 @@ class OrderCheck:
         self.step += 1
         self.enter("outside")
 
-    def tag(self, groups: Sequence["FlatGroup"]) -> list[int]:
+    def tag(self, groups: Sequence[Checked]) -> list[int]:
         ids = [self.index[id(g)] for g in groups]
         named = (ids + [-1] * NAMED_UNITS)[:NAMED_UNITS]
         rest = zlib.crc32(repr(ids[NAMED_UNITS:]).encode()) if len(ids) > NAMED_UNITS else 0
@@ -103,7 +112,7 @@ class OrderCheck:
         """Whether gathers ahead are agreed on a unit before they are issued (several ranks)."""
         return self.comm.distributed
 
-    def check(self, groups: Sequence["FlatGroup"]) -> None:
+    def check(self, groups: Sequence[Checked]) -> None:
         """Agree with every rank on the all-gather of ``groups`` about to be issued (a collective), after
         issuing everything agreed on ahead."""
         if not self.comm.distributed or not groups:
@@ -114,7 +123,7 @@ class OrderCheck:
         self.counts["blocking"] += 1
         self._compare(agreement.rows())
 
-    def check_ahead(self, groups: Sequence["FlatGroup"], issue: Callable[[list], None]) -> None:
+    def check_ahead(self, groups: Sequence[Checked], issue: Callable[[list], None]) -> None:
         """Send the tag of gathers ahead of need without waiting; ``issue(groups)`` runs at the next
         ``settle`` once every rank is seen to agree (see [Note: checks run a unit ahead])."""
         entry = CheckedAhead(self, self.comm.agree_later(self.tag(groups), before="all_gather"), list(groups), issue)

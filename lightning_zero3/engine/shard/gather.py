@@ -16,7 +16,7 @@ and in one of two *encodings*:
 
 A single unit in the compute dtype is gathered straight into its full buffer. Otherwise each rank packs
 its *payloads* (its piece of each unit, encoded) side by side into one staging buffer; the all-gather
-lands them rank-major (row r: rank r's payloads, see [Note: coalesced all-gather] in shard.py), and
+lands them rank-major (row r: rank r's payloads, see [Note: coalesced all-gather] in shard/flat_group.py), and
 once it completes each unit's column of payloads is decoded into its full buffer. Small units gathered
 at one time share one all-gather per route (int8 units are packed side by side too, each with its own
 blocks). Staging buffers come from the engine's pool.
@@ -24,15 +24,34 @@ blocks). Staging buffers come from the engine's pool.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
-from .comm import Pending
-from .quantize import decode_int8, encode_int8, padded, payload_bytes
+from ..comm.communicator import Communicator
+from ..comm.quantize import decode_int8, encode_int8, padded, payload_bytes
+from ..comm.records import Pending
+from ..memory.buffers import BufferPool
 
-if TYPE_CHECKING:
-    from .shard import FlatGroup
+
+class Gathered(Protocol):
+    """What an all-gather reads and sets of a unit's flat group (``flat_group.FlatGroup`` is the one
+    implementation; named here so that this file imports nothing above it)."""
+
+    comm: Communicator
+    full: torch.Tensor
+    shard_numel: int
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+    quantized: bool
+    secondary: Optional[Any]  # a ``secondary.SecondaryShard`` while backward may gather inside the node
+    pool: BufferPool
+    gathers: int
+    pending: Optional[Any]  # what completes the gather in flight (a ``Then``, or a ``CheckedAhead``)
+
+    def gather_input(self) -> torch.Tensor: ...
+    def begin_fill(self) -> None: ...
+    def after_gather(self) -> None: ...
 
 
 class Route(NamedTuple):
@@ -40,32 +59,32 @@ class Route(NamedTuple):
     quantized: bool  # int8 blocks (primary route only)
 
 
-def route_of(group: "FlatGroup") -> Route:
+def route_of(group: Gathered) -> Route:
     """How ``group`` is gathered now (see [Note: gather routes])."""
     if group.secondary is not None and group.secondary.valid:
         return Route("secondary", False)
     return Route("job", group.quantized)
 
 
-def _width(group: "FlatGroup", route: Route) -> int:
+def _width(group: Gathered, route: Route) -> int:
     """Elements of the unit one rank sends on ``route``."""
     return group.secondary.width if route.over == "secondary" else group.shard_numel
 
 
-def issue(groups: list["FlatGroup"]) -> None:
+def issue(groups: list[Gathered]) -> None:
     """Issue one all-gather for ``groups`` (the same route for each, in the same order on every rank)
     without waiting; each group's ``pending`` completes it (and decodes it into ``full``)."""
     route = route_of(groups[0])
     for group in groups:
         group.gathers += 1
-        group._begin_fill()
+        group.begin_fill()
     if len(groups) == 1 and not route.quantized:
         _issue_direct(groups[0], route)
     else:
         _issue_staged(groups, route)
 
 
-def _issue_direct(group: "FlatGroup", route: Route) -> None:
+def _issue_direct(group: Gathered, route: Route) -> None:
     """One unit in the compute dtype: straight into ``full``."""
     pool, give_back = group.pool, []
     with torch.no_grad():
@@ -82,7 +101,7 @@ def _issue_direct(group: "FlatGroup", route: Route) -> None:
     group.pending = Then(pending, lambda: [pool.give(buffer) for buffer in give_back])
 
 
-def _issue_staged(groups: list["FlatGroup"], route: Route) -> None:
+def _issue_staged(groups: list[Gathered], route: Route) -> None:
     """Payloads packed side by side, gathered into a landing buffer, decoded into each ``full``."""
     first = groups[0]
     comm, pool, device = first.comm, first.pool, first.full.device
@@ -107,7 +126,7 @@ def _issue_staged(groups: list["FlatGroup"], route: Route) -> None:
             else:
                 piece.copy_(group.gather_input())
             if route.over == "job":
-                group._after_gather()  # the packed copy is what the collective reads
+                group.after_gather()  # the packed copy is what the collective reads
             offset += size
         landing = pool.take(ranks * total, dtype, device)
         pending = comm.all_gather(landing, source, async_op=True, over=route.over)

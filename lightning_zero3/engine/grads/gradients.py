@@ -24,9 +24,9 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .comm import Communicator
-from .offload.streaming import gradient_pass
-from .shard import FlatGroup
+from ..comm.communicator import Communicator
+from ..offload.streaming import gradient_pass
+from ..shard.flat_group import FlatGroup
 
 
 def _on_disk(group: FlatGroup) -> bool:

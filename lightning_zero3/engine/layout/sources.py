@@ -1,7 +1,7 @@
 """Parameter values that come from outside the model, read piece by piece: a pretrained checkpoint.
 
 [Note: loading straight into shards]
-A unit's shard is one contiguous range of its flat buffer (see ``shard.py``), so this rank's piece of
+A unit's shard is one contiguous range of its flat buffer (see ``shard/flat_group.py``), so this rank's piece of
 each parameter is one contiguous range of that parameter flattened (``ParamSlot.piece_start``), and of
 a row-major tensor in a file it is one contiguous byte range. A ``TensorSource`` copies such a range of
 its tensor into a given tensor, casting on the way (a bf16 file into fp32 masters). So each rank copies
@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .memory import drop_pages
+from ..memory.buffers import drop_pages
 
 
 class TensorSource(Protocol):

@@ -6,7 +6,7 @@ learns ``ranks_per_node`` from whoever builds it: the strategy passes the Traine
 engine used without Lightning takes ``LOCAL_WORLD_SIZE`` (set by torchrun), else one node for the job.
 
 [Note: inter-node bytes]
-The byte ledger (``comm.py``) counts, for every collective, the bytes *this rank receives from ranks on
+The byte ledger (``comm/communicator.py``) counts, for every collective, the bytes *this rank receives from ranks on
 other nodes*, in the algorithm-neutral sense: every piece of data the rank needs from another rank is
 received once, directly. For a collective whose full buffer holds S bytes (the gathered output of an
 all-gather, the input of a reduce-scatter or all-reduce: nccl-tests' S), over a group of n ranks of

@@ -9,17 +9,11 @@ per rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # named in annotations only: shard.py's offload imports this module's error
-    from .shard import ParamSlot
-
-
-class OptimizerShardingError(ValueError):
-    """The optimizer cannot be moved onto the shards as given."""
+from ...errors import OptimizerShardingError
+from ..layout.slots import ParamSlot
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, slots: dict[int, ParamSlot]) -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import weakref
 
-from .comm import Communicator
-from .shard import FlatGroup
+from ..comm.communicator import Communicator
+from .flat_group import FlatGroup
 
 
 class PostBackwardToken:
@@ -68,7 +68,7 @@ class UnitRuntime:
     def ends_alike(self) -> bool:
         """Whether its backward ends at the same point of backward on every rank: it has a post-backward
         signal (its inputs need gradients), which every rank gets once that unit's backward has run,
-        whatever parameters got gradients there (see [Note: reduction order] in grads.py)."""
+        whatever parameters got gradients there (see [Note: reduction order] in grads/reduction.py)."""
         return self.signals > 0
 
     def all_grads_in(self) -> bool:
