@@ -7,7 +7,8 @@ its units on the meta parameters as on real ones, then builds each unit's flat g
 1. the unit's meta parameters become views into one fresh flat buffer (``torch.utils.swap_tensors``
    keeps every ``nn.Parameter`` the same Python object, so tied weights and later references hold);
    other meta parameters of the same modules (small, *persistent* ones) get buffers of their own;
-2. on rank 0 only, each module that owns one of them is initialised: its ``reset_parameters()`` (torch's
+2. on rank 0 only, each module that owns one of them is initialised: by replaying its construction (see
+   [Note: eager construction replayed]), or, where that did not set it, by its ``reset_parameters()`` (torch's
    convention, which FSDP2 and Lightning follow: a module initialises its own direct parameters), then
    the initialiser of the library the module comes from (``initialisers.py``: Hugging Face's
    ``_init_weights``, peft's LoRA reset), then the ``init_fn(module)`` the caller passes (a model's
@@ -60,6 +61,10 @@ init. Where a parameter cannot be replayed (an op reading another meta tensor, s
 it unset, its module falls back to those initialisers, with a warning when eager's values are lost.
 Fallback draws come from a stream of their own (``side_stream``), so every rank's generator still ends
 in the same state. Models built under a plain ``torch.device("meta")`` record nothing: all fallback.
+Where equality cannot hold, unseen: an init function that returns early on a meta tensor (torch 2.13's
+``nn.init.trunc_normal_``, a rejection sampler) records and draws nothing, so that parameter keeps its
+earlier values and every later draw is off eager's stream; and an op reading a real tensor that
+``__init__`` changes in place afterwards replays with the changed values.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ InitFn = Callable[[nn.Module], None]
 CONSTRUCTION = "_zero3_construction"  # the attribute a recorded meta parameter carries its Construction in
 
 
-_recorder: Optional["_Recorder"] = None  # the one recording now (blocks may nest: one records)
+_recorder: Optional[_Recorder] = None  # the one recording now (blocks may nest: one records)
 
 
 @contextmanager
