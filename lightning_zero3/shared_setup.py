@@ -181,7 +181,8 @@ class ProcessesMixin:
 
 
 def init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
-    """The module's ``init_weights(module)``, the custom init for modules built on the meta device."""
+    """The module's ``init_weights(module)``, the custom init for modules built on the meta device whose
+    construction did not set their parameters (see [Note: eager construction replayed] in engine/materialize.py)."""
     hook = getattr(module, "init_weights", None)
     if hook is None:
         return None

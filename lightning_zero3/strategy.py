@@ -230,8 +230,10 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, ParallelStrategy):
         """Parameters of modules built in ``configure_model`` go on the meta device (buffers are computed as
         usual, see [Note: only parameters on the meta device] in engine/materialize.py); the engine
         materialises them unit by unit into shards, so no rank holds the full model. Their initial values
-        come from a checkpoint (``load_pretrained``), else from each module's ``reset_parameters()``, its
-        library's initialiser and then the LightningModule's ``init_weights(module)``, if it has one."""
+        come from a checkpoint (``load_pretrained``), else from the construction itself, replayed: the numbers an
+        eager build (DDP's) draws after the same seed ([Note: eager construction replayed] in
+        engine/materialize.py). Only where construction did not set them: each module's ``reset_parameters()``,
+        its library's initialiser and then the LightningModule's ``init_weights(module)``, if it has one."""
         with parameters_on_meta():
             yield
 

@@ -38,14 +38,27 @@ def test_nothing_of_zero3_runs_on_into_the_interpreters_exit(fabric_out):
     assert all(record == {"watchdogs": [], "gloo_threads": 0} for record in records), records
 
 
-@pytest.mark.parametrize("case", ["clip", "accum", "raw"])
+@pytest.mark.parametrize("case", ["clip", "accum", "raw", "seeded"])
 def test_fabric_zero3_losses_equal_fabric_ddps(ranks, case):
-    """Clipping by the global norm, accumulation under ``no_backward_sync``, and a model built with
-    ``init_module(empty_init=True)`` whose weights come from ``fabric.load_raw`` of a plain state dict."""
+    """Clipping by the global norm, accumulation under ``no_backward_sync``, a model built with
+    ``init_module(empty_init=True)`` whose weights come from ``fabric.load_raw`` of a plain state dict, and
+    one so built that starts from its seeded initialisation."""
     for result in ranks:
         zero3, ddp = result[f"{case}-zero3"]["losses"], result[f"{case}-ddp"]["losses"]
         assert len(zero3) == len(ddp) >= 3
         assert zero3 == pytest.approx(ddp, rel=LOSS_RTOL, abs=0)
+
+
+def test_a_seeded_empty_init_model_starts_from_fabric_ddps_weights(ranks):
+    """[Note: eager construction replayed]: built on the meta device and initialised unit by unit, the model
+    gets the very numbers DDP's eager build draws, and every rank's generator ends where DDP's does."""
+    for result in ranks:
+        zero3, ddp = result["seeded-zero3"], result["seeded-ddp"]
+        assert zero3["start"].keys() == ddp["start"].keys()
+        for name, weight in ddp["start"].items():
+            assert torch.equal(zero3["start"][name], weight), name
+        assert torch.equal(zero3["rng"], ddp["rng"])
+        assert zero3["losses"][0] == ddp["losses"][0]
 
 
 def test_model_states_are_sharded(ranks):

@@ -17,7 +17,8 @@ WEIGHT_ATOL = 5e-5
 
 CASES = {
     1: ["base", "accum"],
-    2: ["base", "accum", "clip_norm", "clip_value", "untied", "frozen", "checkpointing", "scheduler", "sgd"],
+    2: ["base", "accum", "clip_norm", "clip_value", "untied", "frozen", "checkpointing", "scheduler", "sgd",
+        "sharded_init"],
     4: ["base", "accum", "clip_norm", "checkpointing"],
 }
 # bf16-mixed runs (20 steps), compared with DDP under the same flag, world size 2
@@ -67,6 +68,19 @@ def test_zero3_matches_ddp(runs, devices, variant):
         assert report["param_shards"] > 0 and report["gathered_params"] == 0
     else:  # one process keeps its units gathered, its shards being the gathered buffers (shard/flat_group.py)
         assert report["param_shards"] == 0 and report["gathered_params"] > 0
+
+
+def test_a_seeded_model_built_in_configure_model_starts_from_ddps_weights(runs):
+    """[Note: eager construction replayed]: under zero3 ``configure_model`` builds the GPT on the meta device
+    and rank 0 initialises it unit by unit, yet it starts from the numbers DDP's eager build draws after
+    ``seed_everything``, and the generator is where DDP's is."""
+    zero3 = torch.load(runs / "2" / "zero3-sharded_init.pt")
+    ddp = torch.load(runs / "2" / "ddp-sharded_init.pt")
+    assert zero3["start"].keys() == ddp["start"].keys()
+    for name, weight in ddp["start"].items():
+        assert torch.equal(zero3["start"][name], weight), name
+    assert torch.equal(zero3["rng"], ddp["rng"])
+    assert zero3["losses"][0] == ddp["losses"][0]
 
 
 # Offload steps AdamW with torch's fused CPU kernel, which rounds differently from the per-tensor loop

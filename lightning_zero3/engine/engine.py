@@ -113,8 +113,9 @@ class Zero3Engine(OptimizerSide):
         init_fn: Optional[InitFn] = None,
     ) -> None:
         """Shard ``module`` in place. Parameters on the meta device are materialised unit by unit, straight
-        into shards (see [Note: sharded initialisation] in materialize.py): each module's
-        ``reset_parameters()`` and then ``init_fn(module)`` initialise them on rank 0."""
+        into shards (see [Note: sharded initialisation] in materialize.py): rank 0 replays what their
+        construction under ``parameters_on_meta()`` did, else each module's ``reset_parameters()`` and then
+        ``init_fn(module)`` initialise them."""
         self.module = module
         self.config = config or Zero3Config()
         self.dtypes = dtypes

@@ -6,6 +6,9 @@ Cases (every one run under both strategies from the same weights, except where s
   accum    4 steps of 2 micro-batches, the first under ``fabric.no_backward_sync``
   raw      the model built with ``init_module(empty_init=True)``, its weights from a plain
            ``torch.save(model.state_dict())`` file through ``fabric.load_raw``, then 3 steps
+  seeded   ``seed_everything(0)`` and the model built with ``init_module(empty_init=True)`` (under
+           DDP ``empty_init=False``: its empty init leaves the weights unset): the weights it starts
+           from, the generator's state after ``setup``, then 3 steps
   resume   zero3 only, per checkpoint format: 3 steps, ``fabric.save``, 3 more; then a new model and
            optimizer, ``fabric.load``, the same 3 steps again
 """
@@ -105,6 +108,21 @@ def run_raw(name: str, out: Path) -> dict:
     return {"losses": [step(fabric, model, optimizer, [b]) for b in batches(rank, 3)]}
 
 
+def run_seeded(name: str) -> dict:
+    fabric = new_fabric(name)
+    fabric.seed_everything(0)
+    with fabric.init_module(empty_init=name == "zero3"):  # DDP's empty_init leaves the weights unset
+        model = GPT(CFG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    rng = torch.get_rng_state()
+    engine = getattr(fabric.strategy, "engine", None)  # zero3's full weights, gathered on every rank
+    start = engine.full_state_dict() if engine is not None else model.state_dict()
+    start = {k: v.detach().clone() for k, v in start.items()}
+    losses = [step(fabric, model, optimizer, [b]) for b in batches(fabric.global_rank, 3)]
+    return {"start": start, "rng": rng, "losses": losses}
+
+
 def run_resume(fmt: str, out: Path) -> dict:
     fabric = new_fabric("zero3", checkpoint_format=fmt)
     data = batches(fabric.global_rank, 6)
@@ -143,6 +161,7 @@ def main() -> None:
         results[f"clip-{name}"] = run_clip(name)
         results[f"accum-{name}"] = run_accum(name)
         results[f"raw-{name}"] = run_raw(name, out)
+        results[f"seeded-{name}"] = run_seeded(name)
     for fmt in ("sharded", "full"):
         results[f"resume-{fmt}"] = run_resume(fmt, out)
     # a full checkpoint is Fabric DDP's own file: DDP loads it

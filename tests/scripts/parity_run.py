@@ -5,8 +5,8 @@ Run as a script (Lightning's launcher re-runs it once per rank):
     python tests/scripts/parity_run.py --devices 2 --out DIR --variants base,accum --strategies zero3,ddp
 
 For every (strategy, variant) pair, rank 0 writes ``DIR/<strategy>-<variant>.pt`` holding the mean loss
-over ranks at every optimizer step, the final weights and zero3's byte report. ``tests/test_parity.py``
-compares them.
+over ranks at every optimizer step, the weights at the start of training and at the end, the random
+generator's state at the start, and zero3's byte report. ``tests/test_parity.py`` compares them.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ class StepLosses(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.memory: dict = {}
+        self.start: dict = {}
+        self.rng = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        engine = getattr(trainer.strategy, "engine", None)  # zero3's full weights: gathered on every rank
+        weights = engine.full_state_dict() if engine is not None else pl_module.state_dict()
+        self.start = {k: v.detach().clone() for k, v in weights.items()}
+        self.rng = torch.get_rng_state()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"].detach().clone()
@@ -89,6 +97,8 @@ VARIANTS = {
     "checkpointing": (lambda cfg: GPTModule(GPTConfig(**{**cfg.__dict__, "activation_checkpointing": True})), {}),
     "scheduler": (lambda cfg: ScheduledGPT(cfg), {}),
     "sgd": (lambda cfg: SGDGPT(cfg), {}),
+    # built in configure_model: on the meta device under zero3, eagerly under DDP, from the same seed
+    "sharded_init": (lambda cfg: GPTModule(cfg, sharded_init=True), {}),
     "fp32_20": (lambda cfg: GPTModule(cfg), {"max_steps": 20}),  # the fp32 twin of the bf16 runs
     "bf16": (lambda cfg: GPTModule(cfg), {"precision": "bf16-mixed", "max_steps": 20}),
     "bf16_reduce_bf16": (lambda cfg: GPTModule(cfg), {"precision": "bf16-mixed", "max_steps": 20}),
@@ -140,7 +150,9 @@ def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) ->
     weights = engine.full_state_dict() if engine is not None else model.state_dict()
     weights = {k: v.detach().clone() for k, v in weights.items()}
     if trainer.is_global_zero:
-        torch.save({"losses": record.losses, "weights": weights, "memory": record.memory}, out / f"{strategy}-{variant}.pt")
+        torch.save({"losses": record.losses, "weights": weights, "memory": record.memory, "start": record.start,
+                    "rng": record.rng},
+                   out / f"{strategy}-{variant}.pt")
 
 
 def main() -> None:

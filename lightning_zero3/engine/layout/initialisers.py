@@ -10,6 +10,14 @@ from libraries initialise more than that, after construction, in code the meta d
 Each initialiser here takes the modules being initialised at once (see ``materialize.py``) and applies
 its library's own rule to those that belong to it. Libraries are looked for only when the program has
 imported them.
+
+These run only for modules whose construction was not recorded (see [Note: eager construction replayed]
+in materialize.py). A Hugging Face model built under zero3's contexts runs ``post_init`` in its own
+``__init__`` (transformers skips it only when the default device is meta, which zero3's contexts never
+set): its ``_init_weights`` draws, in ``model.apply`` order (post-order), are recorded and replayed
+exactly. Here, on a plain meta build, ``_init_weights`` runs unit by unit in build order, from a stream
+of its own: other numbers than an eager build's, which no order of calls could restore (eager's draws
+begin after every constructor's ``reset_parameters()`` drew, which a meta build never did).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ its units on the meta parameters as on real ones, then builds each unit's flat g
 1. the unit's meta parameters become views into one fresh flat buffer (``torch.utils.swap_tensors``
    keeps every ``nn.Parameter`` the same Python object, so tied weights and later references hold);
    other meta parameters of the same modules (small, *persistent* ones) get buffers of their own;
-2. on rank 0 only, each module that owns one of them is initialised: its ``reset_parameters()`` (torch's
+2. on rank 0 only, each module that owns one of them is initialised: by replaying its construction (see
+   [Note: eager construction replayed]), or, where that did not set it, by its ``reset_parameters()`` (torch's
    convention, which FSDP2 and Lightning follow: a module initialises its own direct parameters), then
    the initialiser of the library the module comes from (``initialisers.py``: Hugging Face's
    ``_init_weights``, peft's LoRA reset), then the ``init_fn(module)`` the caller passes (a model's
@@ -29,26 +30,75 @@ Face's loader and accelerate's ``init_empty_weights`` do: every parameter is mov
 the moment it is registered, before the module's ``__init__`` goes on to initialise it (so
 ``reset_parameters()`` in ``__init__`` is a no-op, and ``torch.empty`` never touched the memory it
 reserved), while everything else ``__init__`` computes, buffers included, is real.
+
+[Note: eager construction replayed]
+A seeded run must start from the weights an eager build (DDP's) draws. Eager construction draws in the
+order the constructors run: each ``nn.Linear`` draws in its own ``__init__`` (``reset_parameters()``),
+then a parent's own init (GPT's ``self.apply(init)``, Hugging Face's ``post_init``, post-order) draws
+again, all from one generator. Units are built in another order, and later, so drawing at build time
+cannot give the same numbers. Instead ``parameters_on_meta()`` records the construction (``_Recorder``,
+a dispatch mode):
+- every in-place op on a meta parameter (or a view of it) is kept with its arguments, in order, and a
+  random one with its generator's state just before it (``Construction``, attached to the parameter);
+- every random op on a meta tensor is also run on a scratch tensor of the same shape, strides, dtype and
+  the device eager would have used, freed at once: the generator advances exactly as in eager
+  construction, on every rank (as under DDP, where every rank builds the model). So a parameter created
+  with ``nn.Parameter(torch.randn(...))`` later in ``__init__`` draws eager's numbers, and so does any
+  draw after construction (dropout, data): every rank's generator ends where DDP's does;
+- a parameter whose value ``__init__`` computed before registering it (``torch.randn``, ``torch.ones``;
+  anything but an ``empty`` allocation) keeps that value on rank 0 until its unit is built (so a model
+  made only of such parameters is held whole on rank 0 until then: the one exception to one unit at a
+  time); ``torch.empty`` parameters (every ``nn.Linear``'s) keep nothing.
+When a unit is built, rank 0 copies the kept value and re-runs the recorded ops into the unit's flat
+buffer, each random op from its saved state (restored after), so any unit order gives eager's values:
+tied weights included (the ops reach the surviving parameter through whichever module touched it; the
+head's own ``reset_parameters()`` draws on its discarded weight still advance the generator). The cost:
+init runs twice on rank 0 (scratch at construction, replay at build) and once on the others, and a
+random op keeps its generator state (5 KB on CPU) until its unit is built. Modules so built are not
+given ``reset_parameters()``, their library's initialiser nor ``init_fn``: their construction was their
+init. Where a parameter cannot be replayed (an op reading another meta tensor, such as
+``weight.copy_(other_meta)`` or ``orthogonal_``, which draws into a scratch matrix) or ``__init__`` left
+it unset, its module falls back to those initialisers, with a warning when eager's values are lost.
+Fallback draws come from a stream of their own (``side_stream``), so every rank's generator still ends
+in the same state. Models built under a plain ``torch.device("meta")`` record nothing: all fallback.
+Where equality cannot hold, unseen: an init function that returns early on a meta tensor (torch 2.13's
+``nn.init.trunc_normal_``, a rejection sampler) records and draws nothing, so that parameter keeps its
+earlier values and every later draw is off eager's stream; and an op reading a real tensor that
+``__init__`` changes in place afterwards replays with the changed values.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Callable, Collection, Iterable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .initialisers import library_initialisers
 
 InitFn = Callable[[nn.Module], None]
+CONSTRUCTION = "_zero3_construction"  # the attribute a recorded meta parameter carries its Construction in
+
+
+_recorder: Optional[_Recorder] = None  # the one recording now (blocks may nest: one records)
 
 
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside the block get their parameters on the meta device and everything else on
-    the current device (see [Note: only parameters on the meta device])."""
+    the current device (see [Note: only parameters on the meta device]); their construction is recorded
+    for rank 0 to replay (see [Note: eager construction replayed])."""
+    global _recorder
+    if _recorder is not None:  # nested in another block, which records
+        yield
+        return
     register = nn.Module.register_parameter
+    recorder = _Recorder()
 
     def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         register(module, name, param)
@@ -56,12 +106,17 @@ def parameters_on_meta() -> Iterator[None]:
             with torch.no_grad():
                 meta = param.data.to("meta")
             module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
+            recorder.register(param.data, module._parameters[name])
 
     nn.Module.register_parameter = register_on_meta
+    _recorder = recorder
     try:
-        yield
+        with recorder:
+            yield
     finally:
         nn.Module.register_parameter = register
+        _recorder = None
+        recorder.params.clear()
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -95,6 +150,7 @@ class Materializer:
         self.loaded_params = set(loaded_params)
         self.loaded_buffers = set(loaded_buffers)
         self.library_inits = library_initialisers(root)
+        self._fallback_stream: dict = {}  # the initialisers' own random stream (see side_stream)
         self.owners: dict[int, list[nn.Module]] = {}  # id(parameter) -> modules holding it directly
         for module in root.modules():
             for p in module._parameters.values():
@@ -122,7 +178,14 @@ class Materializer:
 
     def _materialize_modules(self, modules: Iterable[nn.Module], views: dict[int, torch.Tensor]) -> None:
         fresh = [m for m in modules if id(m) not in self._done]
-        to_initialise = [m for m in fresh if not self._all_loaded(m)]
+        # what construction did to each parameter built now ([Note: eager construction replayed])
+        records: dict[int, Optional[Construction]] = {}
+        for module in fresh:
+            for p in module._parameters.values():
+                if p is not None and p.is_meta and id(p) not in records:
+                    records[id(p)] = p.__dict__.pop(CONSTRUCTION, None)  # before the swap moves __dict__
+        to_initialise = [m for m in fresh if not self._all_loaded(m) and not self._constructed(m, records)]
+        replays = []
         for module in fresh:
             self._done.add(id(module))
             for p in module._parameters.values():
@@ -136,19 +199,42 @@ class Materializer:
                     empty = nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.device), p.requires_grad)
                     torch.utils.swap_tensors(p, empty)
                     p.data = data
+                    record = records.get(id(p))
+                    if record is not None and record.sets_values and id(p) not in self.loaded_params:
+                        replays.append((record, p))
             for name, b in module._buffers.items():
                 if b is not None and b.is_meta:
                     module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
-        if self.is_source and to_initialise:
-            for module in to_initialise:
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-            for initialise in self.library_inits:
-                initialise(to_initialise)
-            if self.init_fn is not None:
+        if not self.is_source:
+            return
+        if to_initialise:
+            with side_stream(self._fallback_stream):  # leaves the live generator where construction left it
                 for module in to_initialise:
-                    self.init_fn(module)
+                    reset = getattr(module, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
+                for initialise in self.library_inits:
+                    initialise(to_initialise)
+                if self.init_fn is not None:
+                    for module in to_initialise:
+                        self.init_fn(module)
+        for record, p in replays:  # after the fallback, which may have written a replayable neighbour
+            record.replay(p.data)
+
+    def _constructed(self, module: nn.Module, records: dict[int, Optional[Construction]]) -> bool:
+        """Whether recorded construction set every parameter of ``module`` built now; warns where a
+        recorded parameter cannot be replayed (its module falls back to the initialisers)."""
+        built = [(n, p) for n, p in module._parameters.items() if p is not None and id(p) in records]
+        needed = [(n, records[id(p)]) for n, p in built if id(p) not in self.loaded_params]
+        for name, record in needed:
+            if self.is_source and record is not None and record.problem is not None:
+                warnings.warn(
+                    f"zero3: {type(module).__name__}.{name} cannot be given the values an eager build gives it "
+                    f"({record.problem}): its module is initialised by reset_parameters(), its library's "
+                    "initialiser and init_fn instead, so a seeded run starts from other weights than DDP's.",
+                    stacklevel=2,
+                )
+        return bool(needed) and all(record is not None and record.sets_values for _, record in needed)
 
     def _all_loaded(self, module: nn.Module) -> bool:
         """Whether every meta tensor ``module`` holds directly will be read from a checkpoint."""
@@ -173,3 +259,168 @@ def _tensors(module: nn.Module):
 def _named_tensors(module: nn.Module):
     yield from module.named_parameters(remove_duplicate=False)
     yield from module.named_buffers(remove_duplicate=False)
+
+
+# -- recording eager construction ([Note: eager construction replayed]) ------------------------------
+
+_EMPTY = {
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
+}  # fmt: skip
+
+
+class _Alias:
+    """A recorded op's view of the parameter it writes: size, stride and offset into its storage."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
+
+    def on(self, target: torch.Tensor) -> torch.Tensor:
+        return target.as_strided(self.size, self.stride, target.storage_offset() + self.offset)
+
+
+class Construction:
+    """What eager construction did to one parameter: its value at registration (kept on rank 0 when
+    ``__init__`` computed one) and the in-place ops on it since, random ones with their generator state."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, value: Optional[torch.Tensor]) -> None:
+        self.device, self.dtype, self.value = device, dtype, value
+        self.ops: list[tuple] = []  # (op, args, kwargs, generator or None, its state before the op)
+        self.problem: Optional[str] = None  # why it cannot be replayed
+
+    @property
+    def sets_values(self) -> bool:
+        return self.problem is None and (self.value is not None or bool(self.ops))
+
+    def replay(self, real: torch.Tensor) -> None:
+        """Give ``real`` the values eager construction gave this parameter (on its device and dtype)."""
+        same = real.device == self.device and real.dtype == self.dtype and real.is_contiguous()
+        target = real if same else torch.empty(real.shape, dtype=self.dtype, device=self.device)
+        if self.value is not None:
+            target.copy_(self.value)
+        for op, args, kwargs, generator, state in self.ops:
+            args, kwargs = tree_map(lambda a: a.on(target) if isinstance(a, _Alias) else a, (args, kwargs))
+            if generator is None:
+                op(*args, **kwargs)
+                continue
+            live = generator.get_state()
+            generator.set_state(state)
+            try:
+                op(*args, **kwargs)
+            finally:
+                generator.set_state(live)
+        if target is not real:
+            real.copy_(target)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records what construction does to meta parameters, and draws its random numbers on scratch tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # only the source rank replays: the others keep no values (states are small, kept everywhere)
+        self.keep_values = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+        self.device = torch.get_default_device()
+        self.params: dict[int, tuple[nn.Parameter, Construction]] = {}  # storage -> (meta param, record)
+        self.unset: set[int] = set()  # storages allocated empty and not written since (real tensors)
+
+    def register(self, data: torch.Tensor, meta: nn.Parameter) -> None:
+        defined = _storage(data) not in self.unset and data.is_contiguous()
+        record = Construction(data.device, data.dtype, data.detach() if defined and self.keep_values else None)
+        if not meta.is_contiguous() or meta.storage_offset() != 0:
+            record.problem = "its storage is not laid out as one contiguous tensor"
+        setattr(meta, CONSTRUCTION, record)
+        self.params[_storage(meta)] = (meta, record)  # kept alive while recording: its storage id stays its own
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not any(t.is_meta for t in tensors):
+            out = func(*args, **kwargs)
+            self._note_values(func, args, kwargs, out)
+            return out
+        generator = state = None
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            scratch_args, scratch_kwargs = tree_map(self._scratch, (args, kwargs))
+            generator = kwargs.get("generator") or _default_generator(_first_device(scratch_args, scratch_kwargs))
+            state = generator.get_state()
+            func(*scratch_args, **scratch_kwargs)  # eager's draws, into memory freed at once
+            del scratch_args, scratch_kwargs
+        out = func(*args, **kwargs)
+        for written in _written(func, args, kwargs):
+            entry = self.params.get(_storage(written)) if written.is_meta else None
+            if entry is None:
+                continue
+            record = entry[1]
+            others = [t for t in tensors if t.is_meta and _storage(t) != _storage(written)]
+            if others:
+                record.problem = f"`{func}` writes it from another meta tensor"
+            elif record.problem is None:
+                spec = tree_map(lambda a: _Alias(a) if isinstance(a, torch.Tensor) and a.is_meta else a, (args, kwargs))
+                record.ops.append((func, *spec, generator, state))
+        return out
+
+    def _scratch(self, a):
+        if not (isinstance(a, torch.Tensor) and a.is_meta):
+            return a
+        entry = self.params.get(_storage(a))
+        device = entry[1].device if entry is not None else self.device
+        return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=device)
+
+    def _note_values(self, func, args, kwargs, out) -> None:
+        """Which real storages hold no values yet: allocated by an ``empty`` op, not written since."""
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if func in _EMPTY:
+            self.unset.update(_storage(t) for t in outs)
+            return
+        for t in _written(func, args, kwargs):
+            self.unset.discard(_storage(t))
+        if not func.is_view:  # fresh memory, perhaps where an empty tensor was freed
+            for t in outs:
+                self.unset.discard(_storage(t))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors ``func`` writes into (in-place and ``out=`` arguments)."""
+    found = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            found.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return found
+
+
+def _first_device(args, kwargs) -> torch.device:
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.get_default_device()
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    module = getattr(torch, device.type)
+    return module.default_generators[device.index if device.index is not None else module.current_device()]
+
+
+@contextmanager
+def side_stream(state: dict) -> Iterator[None]:
+    """Draws in the block come from a stream of their own (kept in ``state`` from one block to the next,
+    starting from the live one), and leave the live generators as they were."""
+    gens = [torch.default_generator]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gens.extend(torch.cuda.default_generators)
+    live = [g.get_state() for g in gens]
+    for g, saved in zip(gens, state.get("states", [])):
+        g.set_state(saved)
+    try:
+        yield
+    finally:
+        state["states"] = [g.get_state() for g in gens]
+        for g, saved in zip(gens, live):
+            g.set_state(saved)
