@@ -9,7 +9,6 @@ below read its results.
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -145,20 +144,18 @@ def _mixtral(rank: int, world: int, opt: str) -> dict:
 
 
 def _disagree(model: nn.Module, config: Zero3Config, rank: int, tweak) -> dict:
-    """Train until it fails; the error, the step, and seconds from that step's start to the error."""
+    """Train until it fails; the error and the step."""
     engine = Zero3Engine(model, config)
     optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    started = time.monotonic()
     for step, tokens in enumerate(_tokens(rank, steps=4)):
         tweak(model, step, rank)
-        started = time.monotonic()
         try:
             lm_loss(model(tokens), tokens).backward()
             optimizer.step()
             optimizer.zero_grad()
         except Exception as error:  # noqa: BLE001
-            return {"error": f"{type(error).__name__}: {error}", "step": step, "seconds": time.monotonic() - started}
-    return {"error": None, "step": None, "seconds": None, "losses": None}
+            return {"error": f"{type(error).__name__}: {error}", "step": step}
+    return {"error": None, "step": None, "losses": None}
 
 
 def _skip_on_rank1_at_step2(model, step, rank):
@@ -196,7 +193,15 @@ CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=64)
 
 
 def _frozen_peak(rank: int, world: int, frozen: int) -> dict:
-    """Peak of gathered parameters during backward (prefetch off), with the lowest ``frozen`` blocks frozen."""
+    """Peak of gathered parameters during backward (prefetch off), with the lowest ``frozen`` blocks frozen.
+
+    SGD, not AdamW: at four ranks gloo's reduce-scatter and DDP's all-reduce add the ranks' gradients in
+    different orders (a few ulps apart), and Adam's first step moves every element by +-lr whatever its
+    gradient's size, so an element whose gradient is rounding noise moves by lr in a direction the order
+    decides. This GPT has such elements: the attention's key bias adds the same q.b to every logit of a
+    query's row, which softmax ignores, so its exact gradient is zero. Measured with AdamW (lr 1e-2, 3
+    steps, 4 ranks): key bias up to 1.2e-4 apart (unfrozen) and 6.6e-5 (blocks 0-3 frozen), every other
+    element within 5.3e-6; with SGD every element within 6e-8, so both cases keep the suite's 2e-6."""
     torch.manual_seed(0)
     reference = GPT(CFG)
     model = copy.deepcopy(reference)
@@ -204,7 +209,7 @@ def _frozen_peak(rank: int, world: int, frozen: int) -> dict:
         net.blocks[:frozen].requires_grad_(False)
     engine = Zero3Engine(model, Zero3Config(persistence_threshold=0, prefetch_bucket_size=0))
     ddp = nn.parallel.DistributedDataParallel(reference)
-    optimizers = [_optimizer("adamw", ddp.parameters()), engine.shard_optimizer(_optimizer("adamw", model.parameters()))]
+    optimizers = [_optimizer("sgd", ddp.parameters()), engine.shard_optimizer(_optimizer("sgd", model.parameters()))]
     g = torch.Generator().manual_seed(rank)
     peaks, losses = [], []
     for _ in range(3):
@@ -240,14 +245,14 @@ def ranks(request):
     return request.param, run_ranks(_all_cases, request.param)
 
 
-def _assert_matches_ddp(results: list[dict], world: int, four_rank_weights: float = 2e-6) -> None:
+def _assert_matches_ddp(results: list[dict], world: int) -> None:
     for result in results:
         for step, (ddp_loss, zero3_loss) in enumerate(result["losses"]):
             if world == 2:  # two ranks sum in one order under both: bitwise
                 assert zero3_loss == ddp_loss, f"step {step}"
             else:  # four: gloo's reduce-scatter and all-reduce add in different orders
                 assert zero3_loss == pytest.approx(ddp_loss, rel=1e-6, abs=1e-7), f"step {step}"
-        assert result["weights_equal"] if world == 2 else result["diff"] < four_rank_weights, result["diff"]
+        assert result["weights_equal"] if world == 2 else result["diff"] < 2e-6, result["diff"]
         assert result["gathered_after"] == 0
 
 
@@ -312,7 +317,8 @@ def test_ranks_that_disagree_fail_on_every_rank_at_that_step_naming_units_and_re
         assert error["step"] == step
         for word in words + ["unit_modules", "synced_gpus"]:
             assert word in error["error"]
-        assert error["seconds"] < 10  # at that step, not at a timeout (30 minutes by default)
+        # raised by the order check at that step, not by a collective that waited for its timeout
+        assert "timed out" not in error["error"].lower() and "timeout" not in error["error"].lower()
     assert len({e["error"] for e in errors}) == 1  # every rank says the same
 
 
@@ -320,8 +326,7 @@ def test_frozen_blocks_are_released_after_their_backward(ranks):
     world, results = ranks
     for result in results:
         trainable, frozen = result["frozen"][0], result["frozen"][4]
-        # AdamW (lr 1e-2) turns four ranks' different summation order into differences of about 1e-4
-        _assert_matches_ddp([trainable, frozen], world, four_rank_weights=3e-4)
+        _assert_matches_ddp([trainable, frozen], world)  # see _frozen_peak for why it trains with SGD
         sizes = sorted(trainable["units"].values())
         # backward holds the root and one block, frozen or not (before: every frozen block until the end)
         assert frozen["peaks"] == trainable["peaks"]
