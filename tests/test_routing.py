@@ -228,6 +228,40 @@ def _frozen_peak(rank: int, world: int, frozen: int) -> dict:
     return {"peaks": peaks, "losses": losses, "units": engine.unit_sizes(), **_compare(reference, model, engine)}
 
 
+def _schedule_settings(rank: int, world: int) -> dict:
+    """``max_reuse_distance`` and ``max_live_parameters`` (config.py), each against the default: per unit, its
+    gathers in the two steps after the recording one (the unit's own count), each unit's reuse distance (the
+    elements gathered between its forward and its backward, as the schedule records it), and the peak of
+    gathered bytes. Each setting goes in through ``Zero3Config``, chosen from the default engine's figures."""
+    def train(config: Zero3Config) -> dict:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        engine = Zero3Engine(model, config)
+        optimizer = engine.shard_optimizer(_optimizer("sgd", model.parameters()))
+        g = torch.Generator().manual_seed(rank)
+        recorded = {}
+        for step in range(3):
+            x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g)
+            F.cross_entropy(model(x).reshape(-1, CFG.vocab_size), x.reshape(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:  # the recording step's gathers are not counted
+                recorded = {rt.name: rt.group.gathers for rt in engine.runtimes}
+        gathers = {rt.name: rt.group.gathers - recorded[rt.name] for rt in engine.runtimes}
+        distances = {rt.name: engine.schedule.reuse_distance.get(id(rt)) for rt in engine.runtimes}
+        return {"gathers": gathers, "distances": distances, "peak": engine.ledger.peak_gathered,
+                "units": engine.unit_sizes()}  # fmt: skip
+
+    base = dict(persistence_threshold=0)
+    default = train(Zero3Config(**base))
+    reuse = default["distances"]["blocks.3"]  # blocks 3, 4 and 5 are close enough to their backward
+    kept = train(Zero3Config(**base, max_reuse_distance=reuse))
+    units = default["units"]
+    live = (units["<root>"] + 2 * units["blocks.0"] + units["blocks.0"] // 2) // 4  # elements: root + 2.5 blocks
+    limited = train(Zero3Config(**base, max_live_parameters=live))
+    return {"default": default, "kept": kept, "reuse": reuse, "limited": limited, "live": live}
+
+
 def _all_cases(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     results: dict = {"moe": {case: _moe(rank, world, *case) for case in MOE_CASES}}
@@ -236,6 +270,7 @@ def _all_cases(rank: int, world: int) -> dict:
     results["two_towers"] = {overlap: _two_towers(rank, world, overlap) for overlap in (True, False)}
     results["expert_units_agreeing"] = _expert_units_agreeing(rank, world)
     results["frozen"] = {frozen: _frozen_peak(rank, world, frozen) for frozen in (0, 4)}
+    results["schedule_settings"] = _schedule_settings(rank, world)
     results["disagree"] = _disagreements(rank)  # last: a failed engine is left behind
     return results
 
@@ -331,3 +366,28 @@ def test_frozen_blocks_are_released_after_their_backward(ranks):
         # backward holds the root and one block, frozen or not (before: every frozen block until the end)
         assert frozen["peaks"] == trainable["peaks"]
         assert max(frozen["peaks"]) <= result["frozen"][0]["units"]["<root>"] + sizes[-1]
+
+
+def test_max_reuse_distance_keeps_the_units_it_allows_gathered_from_forward_into_backward(ranks):
+    world, results = ranks
+    for result in results:
+        settings = result["schedule_settings"]
+        default, kept, reuse = settings["default"], settings["kept"], settings["reuse"]
+        blocks = [f"blocks.{i}" for i in range(CFG.n_layer)]
+        steps = 2  # counted after the recording step
+        # default 0: only the last block (its backward comes right after its forward) is not gathered again
+        assert [default["gathers"][b] for b in blocks] == [2 * steps] * (CFG.n_layer - 1) + [steps]
+        # the setting = block 3's distance: blocks 3-5 gathered once a step, blocks 0-2 for backward again
+        assert kept["distances"] == default["distances"] and reuse > 0
+        assert all((kept["distances"][b] <= reuse) == (i >= 3) for i, b in enumerate(blocks))
+        assert [kept["gathers"][b] for b in blocks] == [2 * steps] * 3 + [steps] * 3
+
+
+def test_max_live_parameters_bounds_the_gathered_bytes_alive_at_once(ranks):
+    world, results = ranks
+    for result in results:
+        settings = result["schedule_settings"]
+        default, limited, live = settings["default"], settings["limited"], settings["live"]
+        assert limited["peak"] <= 4 * live  # fp32 elements: never more alive than the setting
+        assert default["peak"] > 4 * live  # the default's prefetch holds more: the setting is what bounds it
+        assert limited["gathers"] == default["gathers"]  # the same gathers, fewer at once
