@@ -252,13 +252,12 @@ def _schedule_settings(rank: int, world: int) -> dict:
         return {"gathers": gathers, "distances": distances, "peak": engine.ledger.peak_gathered,
                 "units": engine.unit_sizes()}  # fmt: skip
 
-    base = dict(persistence_threshold=0)
-    default = train(Zero3Config(**base))
+    default = train(Zero3Config(persistence_threshold=0))
     reuse = default["distances"]["blocks.3"]  # blocks 3, 4 and 5 are close enough to their backward
-    kept = train(Zero3Config(**base, max_reuse_distance=reuse))
+    kept = train(Zero3Config(persistence_threshold=0, max_reuse_distance=reuse))
     units = default["units"]
     live = (units["<root>"] + 2 * units["blocks.0"] + units["blocks.0"] // 2) // 4  # elements: root + 2.5 blocks
-    limited = train(Zero3Config(**base, max_live_parameters=live))
+    limited = train(Zero3Config(persistence_threshold=0, max_live_parameters=live))
     return {"default": default, "kept": kept, "reuse": reuse, "limited": limited, "live": live}
 
 
@@ -345,7 +344,7 @@ def test_expert_units_routed_alike_on_every_rank_work(ranks):
     ],
 )
 def test_ranks_that_disagree_fail_on_every_rank_at_that_step_naming_units_and_remedy(ranks, case, step, words):
-    world, results = ranks
+    _, results = ranks
     errors = [r["disagree"][case] for r in results]
     for error in errors:
         assert error["error"].startswith("ExecutionOrderError"), error
@@ -369,7 +368,7 @@ def test_frozen_blocks_are_released_after_their_backward(ranks):
 
 
 def test_max_reuse_distance_keeps_the_units_it_allows_gathered_from_forward_into_backward(ranks):
-    world, results = ranks
+    _, results = ranks
     for result in results:
         settings = result["schedule_settings"]
         default, kept, reuse = settings["default"], settings["kept"], settings["reuse"]
@@ -384,7 +383,7 @@ def test_max_reuse_distance_keeps_the_units_it_allows_gathered_from_forward_into
 
 
 def test_max_live_parameters_bounds_the_gathered_bytes_alive_at_once(ranks):
-    world, results = ranks
+    _, results = ranks
     for result in results:
         settings = result["schedule_settings"]
         default, limited, live = settings["default"], settings["limited"], settings["live"]
