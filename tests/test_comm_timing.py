@@ -7,7 +7,6 @@ The CUDA path (device events, [Note: completion time] in ``engine/timing.py``) r
 
 from __future__ import annotations
 
-import time
 import warnings
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -152,18 +151,41 @@ def test_the_hot_path_drains_only_timings_the_device_has_finished(monkeypatch):
     assert comm.stats["all_gather"].count == comm.DRAIN_AT + 1
 
 
-def test_one_rank_copies_and_host_collectives_use_the_host_clock():
+class LogicalClock:
+    """A stand-in for ``time`` in ``engine/timing.py``: ``perf_counter()`` reads a counter that moves only
+    when told (``advance``) and by ``step`` at every reading, so the order of the marks a span takes is
+    visible in their values, whatever the host's scheduler does."""
+
+    def __init__(self, step: float = 1.0) -> None:
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+    def advance(self, ticks: float) -> None:
+        self.now += ticks
+
+
+def test_one_rank_copies_and_host_collectives_use_the_host_clock(monkeypatch):
+    from lightning_zero3.engine import timing
+
     assert isinstance(clock_for(torch.device("cpu")), HostClock)
     assert isinstance(clock_for(torch.device("cuda", 0)), EventClock)
+    clock = LogicalClock()
+    monkeypatch.setattr(timing, "time", clock)
     comm = Communicator()  # one rank, no process group: copies on the host
     full, shard = torch.zeros(1000), torch.ones(1000)
     pending = comm.all_gather(full, shard, async_op=True)
-    time.sleep(0.02)  # compute while the "collective" is already complete
+    clock.advance(1000)  # compute while the "collective" is already complete
     pending.wait()
     stats = comm.stats["all_gather"]
     assert stats.count == 1 and torch.equal(full, shard)
-    assert 0 <= stats.seconds < 0.02  # completed inside the call, not at the wait
-    assert 0 <= stats.exposed_seconds < 0.02
+    # The marks in the order they were taken: issued (tick 1), completed inside the call (tick 2), then
+    # the wait begins (1003) and ends (1004). Issue to completion is the one tick between the first two:
+    # completion was stamped inside the call, before the compute in between and before the wait.
+    assert stats.seconds == 1.0
+    assert stats.exposed_seconds == 0.0  # completed before the wait began: nothing exposed
 
 
 # -- the monitors gather on the device of the engine's group ------------------------------------------
@@ -194,18 +216,23 @@ def test_monitors_gather_on_the_device_of_the_engines_group(monitor):
 # -- utilization: slower collectives lower it, faster raise it; a beaten peak is logged and warned ------
 
 ELEMENTS = 1 << 18  # a 1 MiB all-gather
-DELAY = 0.05  # seconds injected into each slowed collective: far above its own time on this machine
+# Collective times on a logical clock (see ``LogicalClock``, in seconds, still between readings): each
+# all-gather takes PLAIN, or SLOWED while slowed, whatever the host does. Powers of two, as are the bytes
+# and the bus factor: every time, bandwidth and utilization below is exact in floating point.
+PLAIN, SLOWED = 2.0**-10, 2.0**-5
 
 
 @contextmanager
-def _slowed_all_gather():
+def _collectives_take(clock: LogicalClock, ticks: float):
+    """Every all-gather issued inside takes ``ticks`` on ``clock``: the clock moves before the real call,
+    so the issue mark precedes the move and the completion mark (stamped when gloo finishes) follows it."""
     real = dist.all_gather_single
 
-    def slow(*args, **kwargs):
-        time.sleep(DELAY)
+    def timed(*args, **kwargs):
+        clock.advance(ticks)
         return real(*args, **kwargs)
 
-    dist.all_gather_single = slow
+    dist.all_gather_single = timed
     try:
         yield
     finally:
@@ -213,13 +240,17 @@ def _slowed_all_gather():
 
 
 def _utilization_case(rank: int, world: int) -> dict:
+    from lightning_zero3.engine import timing
+
+    clock = timing.time = LogicalClock(step=0.0)  # this rank's process only: it ends with the case
     comm = Communicator()
     engine = SimpleNamespace(comm=comm, schedule=SimpleNamespace(prefetch_hits=0, starts=0, trace_changes=0, steps=0))
     trainer = SimpleNamespace(strategy=SimpleNamespace(engine=engine), log_every_n_steps=1, global_step=0,
                               is_global_zero=rank == 0, loggers=[])  # fmt: skip
     monitor = CommMonitor(every_n_steps=1)
     full, shard = torch.zeros(ELEMENTS), torch.ones(ELEMENTS // world)
-    comm.all_gather(full, shard)  # first-call set-up, before the monitor starts counting
+    with _collectives_take(clock, PLAIN):
+        comm.all_gather(full, shard)  # first-call set-up, before the monitor starts counting
     monitor.on_train_start(trainer, None)
     utilization, warned = {}, {}
 
@@ -234,29 +265,33 @@ def _utilization_case(rank: int, world: int) -> dict:
         utilization[name] = monitor.last_logged.get("zero3/comm/all_gather/utilization/mean", float("nan"))
         warned[name] = [str(w.message) for w in caught if "all_gather reached" in str(w.message)]
 
-    interval("plain")  # the start-up peak is measured at this first log
+    with _collectives_take(clock, PLAIN):
+        interval("plain")  # the start-up peak is measured at this first log
     peaks = dict(comm.peak_busbw)
-    with _slowed_all_gather():
+    with _collectives_take(clock, SLOWED):
         interval("slowed")
-    interval("plain_again")
+    with _collectives_take(clock, PLAIN):
+        interval("plain_again")
     unchanged = comm.peak_busbw == peaks  # training does not move the peak
     comm.peak_busbw.clear()
-    with _slowed_all_gather():
+    with _collectives_take(clock, SLOWED):
         comm.measure_peaks(monitor.peak_repeats)  # a peak measured while something slowed the group
-    interval("beaten")
+    with _collectives_take(clock, PLAIN):
+        interval("beaten")
     return {"utilization": utilization, "warned": warned, "peaks_unchanged": unchanged}
 
 
 def test_utilization_falls_with_slower_collectives_and_is_logged_above_one_when_the_peak_is_off():
     result = run_ranks(_utilization_case, 2)[0]  # rank 0 logs
     utilization, warned = result["utilization"], result["warned"]
-    assert utilization["slowed"] < utilization["plain"] and utilization["slowed"] < utilization["plain_again"]
-    assert result["peaks_unchanged"]
-    assert utilization["beaten"] > 1  # logged as it is: no clamp
-    # warned once, at the first log above 1 (the beaten peak's, unless noise put a plain interval there first)
-    first_above = next(name for name, value in utilization.items() if value > 1)
-    assert [name for name, messages in warned.items() if messages] == [first_above]
-    message = warned[first_above]
+    # Each all-gather takes PLAIN on the logical clock (SLOWED while slowed), and the peak is measured on
+    # plain calls: a plain interval runs at its peak, a slowed one at PLAIN / SLOWED of it, and plain calls
+    # against a peak measured on slowed ones at SLOWED / PLAIN.
+    assert utilization == {"plain": 1.0, "slowed": PLAIN / SLOWED, "plain_again": 1.0, "beaten": SLOWED / PLAIN}
+    assert result["peaks_unchanged"]  # and "beaten" is logged as it is: no clamp
+    # warned once, at the first log above 1: the beaten peak's
+    assert [name for name, messages in warned.items() if messages] == ["beaten"]
+    message = warned["beaten"]
     assert len(message) == 1 and "the peak measurement is off" in message[0] and "peak_repeats" in message[0]
 
 

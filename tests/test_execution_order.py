@@ -184,6 +184,9 @@ def _watch(store, ended: list, peer: str = "", beat: str = "0") -> Watchdog:
 
 
 def _wait_for(ended: list, seconds: float) -> None:
+    """A liveness deadline, not a speed bound: returns as soon as the watchdog ended the rank, and the
+    deadline is only how long the test waits before it says the watchdog never did. Each is at least 3x
+    the time the watchdog needs by its design (``_watch``'s timeout of 4 s polls every 0.2 s)."""
     deadline = time.monotonic() + seconds
     while not ended and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -194,8 +197,9 @@ def test_watchdog_ends_the_rank_when_a_peer_aborts(store, capfd):
     watchdog = _watch(store, ended)
     store.set(watchdog.prefix + "done/1", "1")  # rank 1 has gone through its teardown: nobody waits for it
     store.set(watchdog.prefix + "abort", "rank 1 failed: ValueError: boom")
-    _wait_for(ended, 3)
+    _wait_for(ended, 3)  # liveness: seen within one poll (0.2 s); 3 s is 15x
     watchdog.stop()
+    assert ended, "the watchdog never ended the rank after its peer's abort"
     assert ended[:2] == ["cleaned", 1]  # swap folders first, then the exit
     assert "zero3: rank 0 stops because rank 1 failed: ValueError: boom" in capfd.readouterr().err
 
@@ -205,9 +209,10 @@ def test_watchdog_sees_a_killed_peer_of_this_host(store, capfd):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     watchdog = _watch(store, ended, peer=f"{os.uname().nodename} {gone.pid}")
-    _wait_for(ended, 3)
+    _wait_for(ended, 3)  # liveness: seen within one poll (0.2 s); 3 s is 15x
     watchdog.stop()
-    assert ended and f"rank 1 (process {gone.pid} on this host) ended without a word" in capfd.readouterr().err
+    assert ended, "the watchdog never ended the rank after its peer's process died"
+    assert f"rank 1 (process {gone.pid} on this host) ended without a word" in capfd.readouterr().err
 
 
 def test_watchdog_leaves_a_peer_that_finished_alone(store):
@@ -222,9 +227,10 @@ def test_watchdog_leaves_a_peer_that_finished_alone(store):
 def test_watchdog_sees_a_stale_heartbeat(store, capfd):
     ended: list = []
     watchdog = _watch(store, ended, peer="another-host 1", beat="7")  # timeout 4 s: stale after 2 s; it never beats
-    _wait_for(ended, 5)
+    _wait_for(ended, 8)  # liveness: stale after 2 s, seen within two polls more (2.4 s); 8 s is over 3x
     watchdog.stop()
-    assert ended and "rank 1 (on another-host) sent no heartbeat" in capfd.readouterr().err
+    assert ended, "the watchdog never ended the rank whose peer's heartbeat stopped"
+    assert "rank 1 (on another-host) sent no heartbeat" in capfd.readouterr().err
 
 
 def test_the_first_abort_wins_and_the_same_error_everywhere_is_no_news(store):

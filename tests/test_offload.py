@@ -296,15 +296,49 @@ def _direct_reads(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
-def test_swap_reads_bypass_the_page_cache_for_aligned_blocks_and_see_fresh_writes(tmp_path, monkeypatch):
+def _accepts_direct_reads(directory: Path) -> bool:
+    """Whether a file in ``directory`` opens with ``O_DIRECT`` and reads an aligned block through it."""
+    probe = directory / "o_direct_probe"
+    try:
+        probe.write_bytes(b"\0" * 8192)
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.preadv(fd, [memoryview(host_buffer(1024, torch.float32).numpy()).cast("B")], 0) == 4096
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def direct_dir(tmp_path):
+    """A directory whose file system takes ``O_DIRECT`` reads: the test's own temporary directory, else one
+    beside the repository or in /var/tmp (a CI runner's temporary directory is often a tmpfs that refuses
+    them), so that the direct path runs wherever the machine has such a file system at all."""
+    import tempfile
+
+    repository = Path(__file__).resolve().parents[1]
+    for candidate in (tmp_path, repository, Path("/var/tmp")):
+        if not candidate.is_dir() or not os.access(candidate, os.W_OK):
+            continue
+        with tempfile.TemporaryDirectory(dir=candidate, prefix="zero3-direct-") as directory:
+            if _accepts_direct_reads(Path(directory)):
+                yield Path(directory)
+                return
+    pytest.skip(f"no file system here takes O_DIRECT reads (tried {tmp_path}, {repository}, /var/tmp): the direct "
+                "path cannot run; the buffered fallback and the alignment rule are tested without it")  # fmt: skip
+
+
+def test_swap_reads_bypass_the_page_cache_for_aligned_blocks_and_see_fresh_writes(direct_dir, monkeypatch):
     """[Note: direct reads] in aio.py: a page-aligned host buffer is read through the O_DIRECT descriptor
     for its whole 4 KiB blocks and through the cache for the rest; the data is what was just written
     through the buffered descriptor (no fsync in between); an unaligned target reads through the cache."""
-    swap_dir = SwapDirectory(str(tmp_path), rank=0)
+    swap_dir = SwapDirectory(str(direct_dir), rank=0)
     numel = 3 * 1024 * 1024 + 5  # 12 MiB and 20 bytes: a tail that is not a whole block
     swap = swap_dir.create("probe", numel * 4)
-    if swap.direct_fd is None:
-        pytest.skip(f"the file system under {tmp_path} refuses O_DIRECT")
+    assert swap.direct_fd is not None  # the directory takes O_DIRECT: the swap file opened with it
     written = torch.randn(numel)
     aio_module.write_range(swap, written, 0)
     seen = _direct_reads(monkeypatch)
@@ -320,23 +354,68 @@ def test_swap_reads_bypass_the_page_cache_for_aligned_blocks_and_see_fresh_write
     swap_dir.remove()
 
 
-def test_a_file_system_that_refuses_direct_reads_falls_back_to_the_cache(tmp_path, monkeypatch):
+def test_only_aligned_whole_blocks_go_to_the_direct_descriptor():
+    """The alignment rule of [Note: direct reads], on any host (no O_DIRECT needed): the tensor's address
+    and the file offset both multiples of DIRECT_ALIGN, then the whole blocks of the request; else none."""
+    align, aligned = aio_module.DIRECT_ALIGN, host_buffer(3 * 1024 + 5, torch.float32)
+    nbytes = aligned.numel() * 4
+    assert aio_module._direct_bytes(7, aligned, 0, nbytes) == nbytes // align * align == 3 * align
+    assert aio_module._direct_bytes(7, aligned, 2 * align, nbytes) == 3 * align
+    assert aio_module._direct_bytes(7, aligned, 100, nbytes) == 0  # offset inside a block
+    assert aio_module._direct_bytes(7, aligned[1:], 0, nbytes - 4) == 0  # address inside a page
+    assert aio_module._direct_bytes(7, aligned, 0, align - 4) == 0  # less than one block
+    assert aio_module._direct_bytes(None, aligned, 0, nbytes) == 0  # no direct descriptor
+
+
+def test_a_file_system_that_refuses_o_direct_at_open_reads_through_the_cache(tmp_path, monkeypatch):
+    """Where the file system refuses the flag at open (tmpfs on older kernels, some network file systems),
+    the swap file has no direct descriptor and every read goes through the cache, with the same bytes."""
+    from lightning_zero3.engine.offload import swapdir
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(swapdir.os, "open", refusing_open)
     swap_dir = SwapDirectory(str(tmp_path), rank=0)
     swap = swap_dir.create("probe", 1 << 20)
-    if swap.direct_fd is None:
-        pytest.skip(f"the file system under {tmp_path} refuses O_DIRECT")
+    assert swap.direct_fd is None
+    monkeypatch.undo()
     written = torch.randn((1 << 20) // 4)
     aio_module.write_range(swap, written, 0)
-    direct, preadv = swap.direct_fd, os.preadv
+    seen = _direct_reads(monkeypatch)
+    target = host_buffer(written.numel(), torch.float32)  # aligned: only the missing descriptor stops it
+    aio_module.read_range(swap, target, 0)
+    assert torch.equal(target, written)
+    assert {fd for fd, _ in seen} == {swap.fd} and sum(n for _, n in seen) == 1 << 20
+    swap_dir.remove()
+
+
+def test_a_file_system_that_refuses_direct_reads_falls_back_to_the_cache(tmp_path, monkeypatch):
+    """A file system that takes the flag at open but refuses the reads (EINVAL): the read is done again
+    through the cache, with the same bytes, and the file reads through the cache from then on. The direct
+    descriptor is stood in for by a second plain one where the file system refuses O_DIRECT."""
+    swap_dir = SwapDirectory(str(tmp_path), rank=0)
+    swap = swap_dir.create("probe", 1 << 20)
+    if swap.direct_fd is None:  # refused at open: a stand-in descriptor, refused at read below
+        swap.direct_fd = swap._direct_opened = os.open(swap.path, os.O_RDONLY)
+    written = torch.randn((1 << 20) // 4)
+    aio_module.write_range(swap, written, 0)
+    direct, preadv, tried = swap.direct_fd, os.preadv, []
 
     def refusing(fd, buffers, offset):
         if fd == direct:
+            tried.append(fd)
             raise OSError(errno.EINVAL, "Invalid argument")
         return preadv(fd, buffers, offset)
 
     monkeypatch.setattr(aio_module.os, "preadv", refusing)
     target = host_buffer(written.numel(), torch.float32)
     aio_module.read_range(swap, target, 0)
+    assert tried == [direct]  # the direct read was tried once
     assert torch.equal(target, written) and swap.direct_fd is None
     swap_dir.remove()
 

@@ -105,8 +105,11 @@ def test_buffers_start_on_a_huge_page_boundary_and_moved_pages_stay_huge():
     source, target = _filled(1.0), _filled(0.0)
     assert source.data_ptr() % (2 << 20) == 0 and target.data_ptr() % (2 << 20) == 0
     huge_before = _huge_page_kib(source)
+    if huge_before == 0:
+        pytest.skip("no huge page backs a buffer on this host (transparent_hugepage 'never', or none was free "
+                    "when it was filled): there is nothing that could stay huge")  # fmt: skip
     release(target)
     release(source, ByteLedger())
     reclaim(target)  # takes the source's parked pages
     assert resident_bytes(target) == NUMEL * 4 and bool((target == 1.0).all())
-    assert _huge_page_kib(target) == huge_before
+    assert _huge_page_kib(target) == huge_before > 0

@@ -9,7 +9,6 @@ below read its results.
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -145,20 +144,18 @@ def _mixtral(rank: int, world: int, opt: str) -> dict:
 
 
 def _disagree(model: nn.Module, config: Zero3Config, rank: int, tweak) -> dict:
-    """Train until it fails; the error, the step, and seconds from that step's start to the error."""
+    """Train until it fails; the error and the step."""
     engine = Zero3Engine(model, config)
     optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    started = time.monotonic()
     for step, tokens in enumerate(_tokens(rank, steps=4)):
         tweak(model, step, rank)
-        started = time.monotonic()
         try:
             lm_loss(model(tokens), tokens).backward()
             optimizer.step()
             optimizer.zero_grad()
         except Exception as error:  # noqa: BLE001
-            return {"error": f"{type(error).__name__}: {error}", "step": step, "seconds": time.monotonic() - started}
-    return {"error": None, "step": None, "seconds": None, "losses": None}
+            return {"error": f"{type(error).__name__}: {error}", "step": step}
+    return {"error": None, "step": None, "losses": None}
 
 
 def _skip_on_rank1_at_step2(model, step, rank):
@@ -196,7 +193,15 @@ CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=64)
 
 
 def _frozen_peak(rank: int, world: int, frozen: int) -> dict:
-    """Peak of gathered parameters during backward (prefetch off), with the lowest ``frozen`` blocks frozen."""
+    """Peak of gathered parameters during backward (prefetch off), with the lowest ``frozen`` blocks frozen.
+
+    SGD, not AdamW: at four ranks gloo's reduce-scatter and DDP's all-reduce add the ranks' gradients in
+    different orders (a few ulps apart), and Adam's first step moves every element by +-lr whatever its
+    gradient's size, so an element whose gradient is rounding noise moves by lr in a direction the order
+    decides. This GPT has such elements: the attention's key bias adds the same q.b to every logit of a
+    query's row, which softmax ignores, so its exact gradient is zero. Measured with AdamW (lr 1e-2, 3
+    steps, 4 ranks): key bias up to 1.2e-4 apart (unfrozen) and 6.6e-5 (blocks 0-3 frozen), every other
+    element within 5.3e-6; with SGD every element within 6e-8, so both cases keep the suite's 2e-6."""
     torch.manual_seed(0)
     reference = GPT(CFG)
     model = copy.deepcopy(reference)
@@ -204,7 +209,7 @@ def _frozen_peak(rank: int, world: int, frozen: int) -> dict:
         net.blocks[:frozen].requires_grad_(False)
     engine = Zero3Engine(model, Zero3Config(persistence_threshold=0, prefetch_bucket_size=0))
     ddp = nn.parallel.DistributedDataParallel(reference)
-    optimizers = [_optimizer("adamw", ddp.parameters()), engine.shard_optimizer(_optimizer("adamw", model.parameters()))]
+    optimizers = [_optimizer("sgd", ddp.parameters()), engine.shard_optimizer(_optimizer("sgd", model.parameters()))]
     g = torch.Generator().manual_seed(rank)
     peaks, losses = [], []
     for _ in range(3):
@@ -223,6 +228,39 @@ def _frozen_peak(rank: int, world: int, frozen: int) -> dict:
     return {"peaks": peaks, "losses": losses, "units": engine.unit_sizes(), **_compare(reference, model, engine)}
 
 
+def _schedule_settings(rank: int, world: int) -> dict:
+    """``max_reuse_distance`` and ``max_live_parameters`` (config.py), each against the default: per unit, its
+    gathers in the two steps after the recording one (the unit's own count), each unit's reuse distance (the
+    elements gathered between its forward and its backward, as the schedule records it), and the peak of
+    gathered bytes. Each setting goes in through ``Zero3Config``, chosen from the default engine's figures."""
+    def train(config: Zero3Config) -> dict:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        engine = Zero3Engine(model, config)
+        optimizer = engine.shard_optimizer(_optimizer("sgd", model.parameters()))
+        g = torch.Generator().manual_seed(rank)
+        recorded = {}
+        for step in range(3):
+            x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g)
+            F.cross_entropy(model(x).reshape(-1, CFG.vocab_size), x.reshape(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:  # the recording step's gathers are not counted
+                recorded = {rt.name: rt.group.gathers for rt in engine.runtimes}
+        gathers = {rt.name: rt.group.gathers - recorded[rt.name] for rt in engine.runtimes}
+        distances = {rt.name: engine.schedule.reuse_distance.get(id(rt)) for rt in engine.runtimes}
+        return {"gathers": gathers, "distances": distances, "peak": engine.ledger.peak_gathered,
+                "units": engine.unit_sizes()}  # fmt: skip
+
+    default = train(Zero3Config(persistence_threshold=0))
+    reuse = default["distances"]["blocks.3"]  # blocks 3, 4 and 5 are close enough to their backward
+    kept = train(Zero3Config(persistence_threshold=0, max_reuse_distance=reuse))
+    units = default["units"]
+    live = (units["<root>"] + 2 * units["blocks.0"] + units["blocks.0"] // 2) // 4  # elements: root + 2.5 blocks
+    limited = train(Zero3Config(persistence_threshold=0, max_live_parameters=live))
+    return {"default": default, "kept": kept, "reuse": reuse, "limited": limited, "live": live}
+
+
 def _all_cases(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     results: dict = {"moe": {case: _moe(rank, world, *case) for case in MOE_CASES}}
@@ -231,6 +269,7 @@ def _all_cases(rank: int, world: int) -> dict:
     results["two_towers"] = {overlap: _two_towers(rank, world, overlap) for overlap in (True, False)}
     results["expert_units_agreeing"] = _expert_units_agreeing(rank, world)
     results["frozen"] = {frozen: _frozen_peak(rank, world, frozen) for frozen in (0, 4)}
+    results["schedule_settings"] = _schedule_settings(rank, world)
     results["disagree"] = _disagreements(rank)  # last: a failed engine is left behind
     return results
 
@@ -240,14 +279,14 @@ def ranks(request):
     return request.param, run_ranks(_all_cases, request.param)
 
 
-def _assert_matches_ddp(results: list[dict], world: int, four_rank_weights: float = 2e-6) -> None:
+def _assert_matches_ddp(results: list[dict], world: int) -> None:
     for result in results:
         for step, (ddp_loss, zero3_loss) in enumerate(result["losses"]):
             if world == 2:  # two ranks sum in one order under both: bitwise
                 assert zero3_loss == ddp_loss, f"step {step}"
             else:  # four: gloo's reduce-scatter and all-reduce add in different orders
                 assert zero3_loss == pytest.approx(ddp_loss, rel=1e-6, abs=1e-7), f"step {step}"
-        assert result["weights_equal"] if world == 2 else result["diff"] < four_rank_weights, result["diff"]
+        assert result["weights_equal"] if world == 2 else result["diff"] < 2e-6, result["diff"]
         assert result["gathered_after"] == 0
 
 
@@ -305,14 +344,15 @@ def test_expert_units_routed_alike_on_every_rank_work(ranks):
     ],
 )
 def test_ranks_that_disagree_fail_on_every_rank_at_that_step_naming_units_and_remedy(ranks, case, step, words):
-    world, results = ranks
+    _, results = ranks
     errors = [r["disagree"][case] for r in results]
     for error in errors:
         assert error["error"].startswith("ExecutionOrderError"), error
         assert error["step"] == step
         for word in words + ["unit_modules", "synced_gpus"]:
             assert word in error["error"]
-        assert error["seconds"] < 10  # at that step, not at a timeout (30 minutes by default)
+        # raised by the order check at that step, not by a collective that waited for its timeout
+        assert "timed out" not in error["error"].lower() and "timeout" not in error["error"].lower()
     assert len({e["error"] for e in errors}) == 1  # every rank says the same
 
 
@@ -320,9 +360,33 @@ def test_frozen_blocks_are_released_after_their_backward(ranks):
     world, results = ranks
     for result in results:
         trainable, frozen = result["frozen"][0], result["frozen"][4]
-        # AdamW (lr 1e-2) turns four ranks' different summation order into differences of about 1e-4
-        _assert_matches_ddp([trainable, frozen], world, four_rank_weights=3e-4)
+        _assert_matches_ddp([trainable, frozen], world)  # see _frozen_peak for why it trains with SGD
         sizes = sorted(trainable["units"].values())
         # backward holds the root and one block, frozen or not (before: every frozen block until the end)
         assert frozen["peaks"] == trainable["peaks"]
         assert max(frozen["peaks"]) <= result["frozen"][0]["units"]["<root>"] + sizes[-1]
+
+
+def test_max_reuse_distance_keeps_the_units_it_allows_gathered_from_forward_into_backward(ranks):
+    _, results = ranks
+    for result in results:
+        settings = result["schedule_settings"]
+        default, kept, reuse = settings["default"], settings["kept"], settings["reuse"]
+        blocks = [f"blocks.{i}" for i in range(CFG.n_layer)]
+        steps = 2  # counted after the recording step
+        # default 0: only the last block (its backward comes right after its forward) is not gathered again
+        assert [default["gathers"][b] for b in blocks] == [2 * steps] * (CFG.n_layer - 1) + [steps]
+        # the setting = block 3's distance: blocks 3-5 gathered once a step, blocks 0-2 for backward again
+        assert kept["distances"] == default["distances"] and reuse > 0
+        assert all((kept["distances"][b] <= reuse) == (i >= 3) for i, b in enumerate(blocks))
+        assert [kept["gathers"][b] for b in blocks] == [2 * steps] * 3 + [steps] * 3
+
+
+def test_max_live_parameters_bounds_the_gathered_bytes_alive_at_once(ranks):
+    _, results = ranks
+    for result in results:
+        settings = result["schedule_settings"]
+        default, limited, live = settings["default"], settings["limited"], settings["live"]
+        assert limited["peak"] <= 4 * live  # fp32 elements: never more alive than the setting
+        assert default["peak"] > 4 * live  # the default's prefetch holds more: the setting is what bounds it
+        assert limited["gathers"] == default["gathers"]  # the same gathers, fewer at once

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -31,13 +32,15 @@ BATCH = 4
 
 
 class StepLosses(pl.Callback):
-    """Mean loss over ranks at every training batch, and zero3's byte report at the end."""
+    """Mean loss over ranks at every training batch, every rank's compute threads while it trains, and
+    zero3's byte report at the end."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.memory: dict = {}
         self.start: dict = {}
         self.rng = None
+        self.threads: list[int] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         engine = getattr(trainer.strategy, "engine", None)  # zero3's full weights: gathered on every rank
@@ -48,6 +51,9 @@ class StepLosses(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"].detach().clone()
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+        if batch_idx == 0:
+            self.threads = [None] * trainer.world_size
+            torch.distributed.all_gather_object(self.threads, torch.get_num_threads())
 
     def on_train_end(self, trainer, pl_module) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -103,9 +109,19 @@ VARIANTS = {
     "bf16": (lambda cfg: GPTModule(cfg), {"precision": "bf16-mixed", "max_steps": 20}),
     "bf16_reduce_bf16": (lambda cfg: GPTModule(cfg), {"precision": "bf16-mixed", "max_steps": 20}),
     "bf16_true": (lambda cfg: GPTModule(cfg), {"precision": "bf16-true", "max_steps": 20}),
+    "unshard_threads": (lambda cfg: GPTModule(cfg), {}),
+    "nvme_chunks": (lambda cfg: GPTModule(cfg), {}),
 }
 # zero3 knobs per variant (DDP has no equivalent)
-ZERO3_KNOBS = {"bf16_reduce_bf16": {"reduce_dtype": "bf16"}}
+ZERO3_KNOBS = {
+    "bf16_reduce_bf16": {"reduce_dtype": "bf16"},
+    # more compute threads than this machine gives a rank by default (its cores at most): the setting shows
+    "unshard_threads": {"unshard_after_fit": True, "cpu_threads": len(os.sched_getaffinity(0)) + 1},
+    # 4096 elements (16 KiB) per NVMe request: every shard of this model's units is read and written in pieces
+    "nvme_chunks": {"offload_optimizer": "nvme", "offload_params": "nvme", "offload_buffer_size": 4096},
+}
+# variants of zero3 settings that train "base" as it is: zero3 alone runs them, compared with DDP's "base"
+ZERO3_ONLY = {"unshard_threads": "base", "nvme_chunks": "base"}
 # the offload strategies: the knobs of their registered names ("nvme" swaps under OUT/nvme)
 OFFLOAD = {
     "zero3_offload": {"offload_optimizer": "cpu", "offload_params": "cpu"},
@@ -116,10 +132,58 @@ OFFLOAD = {
 def strategy_for(name: str, variant: str, threshold: int, out: Path):
     if name.startswith("zero3"):
         knobs = {**ZERO3_KNOBS.get(variant, {}), **OFFLOAD.get(name, {})}
-        if "nvme" in knobs.values():
+        if "nvme" in knobs.values() and "nvme_path" not in knobs:
             knobs["nvme_path"] = str(out / "nvme")
         return lightning_zero3.Zero3Strategy(persistence_threshold=threshold, **knobs)
     return name
+
+
+class CountedRequests:
+    """Every NVMe read and write request of ``engine/offload/aio.py`` (bytes, the piece size asked for) and
+    every piece of it that reached the file (``os.pwrite`` / ``os.preadv`` calls and their bytes), counted
+    on the I/O threads that issue them."""
+
+    def __init__(self) -> None:
+        from lightning_zero3.engine.offload import aio
+
+        self.lock, self.aio = threading.Lock(), aio
+        self.requests = {"write": [], "read": []}  # (bytes, chunk bytes) per request
+        self.pieces = {"write": [], "read": []}  # bytes per system call
+        self._saved = aio.write_range, aio.read_range, aio.os
+        counted = self
+
+        class CountingOs:  # ``aio``'s view of ``os``: the two calls counted, the rest as they are
+            def __getattr__(self, name):
+                return getattr(os, name)
+
+            @staticmethod
+            def pwrite(fd, data, offset):
+                done = os.pwrite(fd, data, offset)
+                with counted.lock:
+                    counted.pieces["write"].append(done)
+                return done
+
+            @staticmethod
+            def preadv(fd, buffers, offset):
+                got = os.preadv(fd, buffers, offset)
+                with counted.lock:
+                    counted.pieces["read"].append(got)
+                return got
+
+        def request(kind, function):
+            def counted_request(swap, tensor, offset, chunk_bytes=1 << 26):
+                with counted.lock:
+                    counted.requests[kind].append((tensor.numel() * tensor.element_size(), chunk_bytes))
+                return function(swap, tensor, offset, chunk_bytes)
+
+            return counted_request
+
+        aio.write_range, aio.read_range = request("write", aio.write_range), request("read", aio.read_range)
+        aio.os = CountingOs()
+
+    def close(self) -> dict:
+        self.aio.write_range, self.aio.read_range, self.aio.os = self._saved
+        return {"requests": self.requests, "pieces": self.pieces}
 
 
 def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) -> None:
@@ -132,6 +196,7 @@ def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) ->
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
     data = random_tokens(steps * accumulate * BATCH * devices, cfg.block_size, cfg.vocab_size, seed=7)
     record = StepLosses()
+    requests = CountedRequests() if variant == "nvme_chunks" else None
     trainer = pl.Trainer(
         strategy=strategy_for(strategy, variant, threshold, out),
         accelerator="cpu",
@@ -146,13 +211,18 @@ def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) ->
         **trainer_kwargs,
     )
     trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=False))
+    io = requests.close() if requests is not None else None
     engine = lightning_zero3.engine_of(model)  # zero3 stays sharded after fit: the masters, gathered
     weights = engine.full_state_dict() if engine is not None else model.state_dict()
     weights = {k: v.detach().clone() for k, v in weights.items()}
+    result = {"losses": record.losses, "weights": weights, "memory": record.memory, "threads": record.threads,
+              "engine_after_fit": engine is not None, "io": io, "start": record.start, "rng": record.rng}  # fmt: skip
+    if engine is not None and variant == "base":  # the public unshard(): full weights, the engine let go
+        lightning_zero3.unshard(model)
+        result["unsharded"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        result["engine_after_unshard"] = lightning_zero3.engine_of(model) is not None
     if trainer.is_global_zero:
-        torch.save({"losses": record.losses, "weights": weights, "memory": record.memory, "start": record.start,
-                    "rng": record.rng},
-                   out / f"{strategy}-{variant}.pt")
+        torch.save(result, out / f"{strategy}-{variant}.pt")
 
 
 def main() -> None:
@@ -166,6 +236,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for variant in args.variants.split(","):
         for strategy in args.strategies.split(","):
+            if variant in ZERO3_ONLY and not strategy.startswith("zero3"):
+                continue  # compared with this strategy's run of ZERO3_ONLY[variant]
             run(strategy, variant, args.devices, args.out, args.persistence_threshold)
 
 
