@@ -168,7 +168,7 @@ class LogicalClock:
 
 
 def test_one_rank_copies_and_host_collectives_use_the_host_clock(monkeypatch):
-    from lightning_zero3.engine import timing
+    from lightning_zero3.engine.comm import timing
 
     assert isinstance(clock_for(torch.device("cpu")), HostClock)
     assert isinstance(clock_for(torch.device("cuda", 0)), EventClock)
@@ -240,7 +240,7 @@ def _collectives_take(clock: LogicalClock, ticks: float):
 
 
 def _utilization_case(rank: int, world: int) -> dict:
-    from lightning_zero3.engine import timing
+    from lightning_zero3.engine.comm import timing
 
     clock = timing.time = LogicalClock(step=0.0)  # this rank's process only: it ends with the case
     comm = Communicator()

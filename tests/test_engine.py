@@ -433,6 +433,7 @@ def _prefetch_case(rank: int, world: int, overlap: bool) -> dict:
 def _log_starts_and_issues(engine: Zero3Engine) -> list:
     """Every unit start (before its gathers) and every gather issued, in order: ("start", step, phase,
     unit) and ("issue", step, units)."""
+    from lightning_zero3.engine.schedule import gathers
     from lightning_zero3.engine.shard import flat_group as shard
 
     events, start, issue = [], engine.hooks._start, shard.issue
@@ -446,7 +447,7 @@ def _log_starts_and_issues(engine: Zero3Engine) -> list:
         issue(groups)
 
     engine.hooks._start = logged_start
-    shard.issue = logged_issue
+    shard.issue = gathers.issue = logged_issue  # a unit's own gather, and those the schedule issues
     return events
 
 

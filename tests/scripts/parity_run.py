@@ -35,7 +35,8 @@ class StepLosses(pl.Callback):
     """Mean loss over ranks at every training batch, every rank's compute threads while it trains, and
     zero3's byte report at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_start: bool = False) -> None:
+        self.keep_start = keep_start  # gathering the starting weights adds collectives: only where compared
         self.losses: list[float] = []
         self.memory: dict = {}
         self.start: dict = {}
@@ -43,6 +44,8 @@ class StepLosses(pl.Callback):
         self.threads: list[int] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if not self.keep_start:
+            return
         engine = getattr(trainer.strategy, "engine", None)  # zero3's full weights: gathered on every rank
         weights = engine.full_state_dict() if engine is not None else pl_module.state_dict()
         self.start = {k: v.detach().clone() for k, v in weights.items()}
@@ -195,7 +198,7 @@ def run(strategy: str, variant: str, devices: int, out: Path, threshold: int) ->
     model = factory(cfg)
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
     data = random_tokens(steps * accumulate * BATCH * devices, cfg.block_size, cfg.vocab_size, seed=7)
-    record = StepLosses()
+    record = StepLosses(keep_start=variant == "sharded_init")
     requests = CountedRequests() if variant == "nvme_chunks" else None
     trainer = pl.Trainer(
         strategy=strategy_for(strategy, variant, threshold, out),
