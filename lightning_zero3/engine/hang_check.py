@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 from .collective_log import GENERIC_FIX
 
 POLL_ALL = 8  # [Note: who reads whose record]
+HANG = "the ranks wait in different collectives, which can never complete"  # how the message begins
 
 Record = dict[str, Any]
 
@@ -161,7 +162,7 @@ def describe(records: dict[int, Record], chain: list[int], check: HangCheck, now
     fixes = [fix for rank in [*chain, *ranks] for fix in reversed(records.get(rank, {}).get("fixes") or [])]
     fix = fixes[0] if fixes else GENERIC_FIX
     return (
-        f"the ranks wait in different collectives, which can never complete (found by rank {check.rank}): "
+        f"{HANG} (found by rank {check.rank}): "
         f"{lines}. To fix: {fix}"
     )
 

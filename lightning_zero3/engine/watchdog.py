@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from .collective_log import LOG
-from .hang_check import POLL_ALL, HangCheck, decode, encode
+from .hang_check import HANG, POLL_ALL, HangCheck, decode, encode
 from .termination import TERMINATED_EXIT_CODE, TerminationWatch
 
 EXIT_CODE = 1
@@ -230,7 +230,8 @@ class Watchdog:
                 reason = self._store_lost(error)
             if reason is not None and not self._stopping.is_set() and not self._aborted_here:
                 terminated = TERMINATED in reason
-                self._end(reason, TERMINATED_EXIT_CODE if terminated else EXIT_CODE, shared=terminated or hang is not None)
+                shared = terminated or HANG in reason  # every rank ends for this one reason
+                self._end(reason, TERMINATED_EXIT_CODE if terminated else EXIT_CODE, shared=shared)
 
     def _abort_message(self) -> Optional[str]:
         if not self._store.check([self._key("abort")]):
