@@ -225,3 +225,30 @@ def test_hang_settings_take_durations_or_seconds_and_refuse_the_rest():
     for bad in (0, -1, "20s", True):
         with pytest.raises(Zero3ConfigError, match="hang_timeout"):
             Zero3Config(hang_timeout=bad)
+
+
+def test_sigterm_is_seen_by_the_watchdog_thread_and_told_to_the_other_ranks(capfd):
+    import torch.distributed as dist
+
+    from lightning_zero3.engine.watchdog import Watchdog
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    watchdog = Watchdog(store, rank=0, world_size=2, timeout=timedelta(seconds=4))
+    store.set(watchdog.prefix + "where/1", f"{watchdog.host} {os.getpid()}")
+    ended: list = []
+    watchdog.exit = lambda code: ended.append(code)
+    watchdog.add_cleanup(lambda: ended.append("cleaned"))
+    watchdog.start()
+    try:
+        store.set(watchdog.prefix + "seen/1", "1")  # the peer has seen it and is done with the store
+        store.set(watchdog.prefix + "left/1", "1")
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watchdog.stop()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # given back
+    assert ended[:2] == ["cleaned", 143]
+    assert store.get(watchdog.prefix + "abort").decode().startswith("rank 0 was terminated by SIGTERM")
+    assert "zero3: rank 0 stops because this rank was terminated by SIGTERM" in capfd.readouterr().err

@@ -337,6 +337,8 @@ class Watchdog:
         if not self._ending.acquire(blocking=False):  # the other thread (watch or heartbeat) is ending it
             return
         print(f"zero3: rank {self.rank} stops because {reason}.", file=sys.stderr, flush=True)
+        if shared:  # peers exit from now on, and this rank's main thread may fail in its collective: a
+            _silence_stderr()  # consequence, whose traceback would only bury the message above
         try:
             self._store.set(self._key(f"seen/{self.rank}"), "1")
             # rank 0: the store lives as long as it is needed. When every rank ends for one reason (a hang,
@@ -363,6 +365,17 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - ending anyway
                 pass
         self.exit(code)
+
+
+def _silence_stderr() -> None:
+    """Send whatever this process still writes to stderr to /dev/null (it is about to end)."""
+    try:
+        sys.stderr.flush()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+    except (OSError, ValueError):
+        pass
 
 
 def _one_line(text: str, limit: int = 300) -> str:
