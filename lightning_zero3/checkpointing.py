@@ -25,6 +25,7 @@ from .checkpoint import (
 )
 from .checkpoint.files import load_file_checkpoint, save_file_atomically
 from .checkpoint.full import STREAMED, save_full_checkpoint
+from .engine.comm.collective_log import LOAD_FIX, SAVE_FIX, in_phase
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:
@@ -65,6 +66,7 @@ class CheckpointingMixin:
             return optimizer_pieces(self._engine, optimizer)
         return {STREAMED: True}  # gathered and written unit by unit in ``save_checkpoint``
 
+    @in_phase("Trainer.save_checkpoint", SAVE_FIX)
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
     ) -> None:
@@ -92,6 +94,7 @@ class CheckpointingMixin:
         if self.is_global_zero:
             remove_checkpoint(Path(filepath))
 
+    @in_phase("loading a checkpoint", LOAD_FIX)
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a sharded directory or a full file into the engine; return the rest for Lightning.
 

@@ -121,6 +121,21 @@ class Zero3Config:
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
     """How long a collective may wait for the other ranks before every rank fails with an error."""
 
+    hang_timeout: Optional[Union[timedelta, float]] = field(default_factory=lambda: timedelta(seconds=20))
+    """How long a rank waits in a collective that the other ranks provably cannot join (they wait in
+    different collectives: ``trainer.save_checkpoint`` or ``save_full_weights`` called on one rank only)
+    before every rank stops with one message naming what each rank was doing and what to do. Every rank
+    is then gone within about ``hang_timeout`` + 3 polls (under 40 s by default). Ranks waiting in the same
+    collective are never stopped, however slow it is. A ``timedelta`` or seconds; ``None``: off (the
+    collective waits for ``timeout``)."""
+
+    hang_idle_timeout: Optional[Union[timedelta, float]] = field(default_factory=lambda: timedelta(minutes=5))
+    """How long a rank that waits in a collective (past ``hang_timeout``) waits for a peer that issues no
+    collective at all and shows no progress, outside any phase the waiting rank is in (code that runs on
+    one rank only: a loop, a long rank-0-only evaluation), before every rank stops with the same message.
+    Raise it for long work on some ranks between collectives. A ``timedelta`` or seconds; ``None``: wait
+    for ``timeout``."""
+
     inference_memory_budget: Union[int, str, None] = "auto"
     """Evaluation (``validate`` / ``test`` / ``predict``, or forward calls with gradients off): bytes of
     gathered units that may stay gathered across forward calls, so a model called many times (generation:
@@ -222,6 +237,8 @@ class Zero3Config:
                 f"zero3: `checkpoint_format={self.checkpoint_format!r}` is not a checkpoint format; use "
                 '"sharded" (each rank writes its shards) or "full" (one file of full state).'
             )
+        for name in ("hang_timeout", "hang_idle_timeout"):
+            object.__setattr__(self, name, _seconds_setting(name, getattr(self, name)))
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise Zero3ConfigError(
                 f"zero3: `timeout` must be a positive datetime.timedelta, got {self.timeout!r}; "
@@ -273,6 +290,20 @@ def parse_budget(value: Budget) -> Union[int, str]:
     base = 1024 if match.group(3) else 1000
     power = " KMGT".index(match.group(2).upper() or " ")
     return int(float(match.group(1)) * base**power)
+
+
+def _seconds_setting(name: str, value: Any) -> Optional[timedelta]:
+    """A positive duration (a timedelta, or seconds as a number), or None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = timedelta(seconds=value)
+    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+        raise Zero3ConfigError(
+            f"zero3: `{name}` must be a positive duration (a datetime.timedelta, or seconds as a number) or None "
+            f"to turn it off, got {value!r}; for example {name}=datetime.timedelta(seconds=20)."
+        )
+    return value
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

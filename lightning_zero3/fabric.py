@@ -48,6 +48,7 @@ from .checkpoint.files import save_file_atomically, torch_load_checked
 from .checkpoint.full import save_full_checkpoint
 from .config import Zero3Config, default_nvme_path
 from .engine import Zero3Engine, engine_of
+from .engine.comm.collective_log import FABRIC_SAVE_FIX, in_phase
 from .engine.layout.materialize import move_real_tensors, parameters_on_meta
 from .errors import Zero3ConfigError
 from .knobs import build_config
@@ -234,6 +235,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    @in_phase("fabric.save", FABRIC_SAVE_FIX)
     def save_checkpoint(self, path: Union[str, Path], state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:  # fmt: skip
         """Every rank calls it. ``state``'s model and optimizers are written sharded or full (see the module's
@@ -284,6 +286,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
     def _owns(self, module: nn.Module) -> bool:
         return self._engine is not None and (module is self._engine.module or engine_of(module) is self._engine)
 
+    @in_phase("fabric.load", FABRIC_SAVE_FIX)
     def load_checkpoint(self, path: Union[str, Path], state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:  # fmt: skip
         """Every rank calls it. Fills ``state``'s model and optimizers in place (straight into the shards) and

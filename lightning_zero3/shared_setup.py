@@ -30,6 +30,7 @@ from torch import nn
 from .config import Zero3Config
 from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from .engine import Communicator, Zero3Engine
+from .engine.comm.collective_log import collective
 from .engine.comm.process_exit import close_process_groups_at_exit, note_failure
 from .engine.comm.watchdog import Watchdog
 from .engine.layout.slots import DtypePolicy
@@ -101,22 +102,25 @@ class ProcessesMixin:
 
     def _reduce_tensor(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor) and not _one_process(group):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with collective("world", "reduce (`self.log(..., sync_dist=True)` or `strategy.reduce`)"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if _one_process():
             return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        with collective("world", "barrier", args[0] if args and isinstance(args[0], str) else kwargs.get("name")):
+            if torch.distributed.get_backend() == "nccl":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        with collective("world", f"broadcast from rank {src}"):
+            torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
         return holder[0]
 
     def _start_processes(self) -> None:
@@ -152,7 +156,10 @@ class ProcessesMixin:
         """See ``engine/watchdog.py``: a failure on one rank ends every rank, with a message."""
         if self._watchdog is not None or torch.distributed.get_world_size() < 2:
             return
-        self._watchdog = Watchdog.for_default_group(self.config.timeout, next(_WATCHDOG_GENERATIONS))
+        config = self.config
+        self._watchdog = Watchdog.for_default_group(
+            config.timeout, next(_WATCHDOG_GENERATIONS), config.hang_timeout, config.hang_idle_timeout
+        )
         self._watchdog.add_cleanup(lambda: self._engine.remove_swap_files() if self._engine is not None else None)
         self._watchdog.start()
 

@@ -35,6 +35,7 @@ from .engine import Zero3Engine, engine_of
 from .engine.layout.materialize import move_real_tensors, parameters_on_meta
 from .errors import Zero3ConfigError
 from .knobs import DEFAULTS, build_config, knob_docstring
+from .phases import PhasesMixin
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 from .shared_setup import ProcessesMixin, new_engine, refuse_untrainable
 
@@ -57,7 +58,7 @@ class _RootCall(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class Zero3Strategy(CheckpointingMixin, ProcessesMixin, ParallelStrategy):
+class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer states partitioned across data-parallel ranks.
 
     ``Trainer(strategy="zero3")`` after ``import lightning_zero3``, or ``Trainer(strategy=Zero3Strategy(...))``
@@ -95,6 +96,8 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, ParallelStrategy):
             DEFAULTS.process_group_backend
         ),
         timeout: timedelta = DEFAULTS.timeout,
+        hang_timeout: Optional[Union[timedelta, float]] = DEFAULTS.hang_timeout,
+        hang_idle_timeout: Optional[Union[timedelta, float]] = DEFAULTS.hang_idle_timeout,
         inference_memory_budget: Optional[Union[int, str]] = DEFAULTS.inference_memory_budget,
         unshard_after_fit: bool = DEFAULTS.unshard_after_fit,
         checkpoint_format: Literal["sharded", "full"] = DEFAULTS.checkpoint_format,

@@ -12,8 +12,8 @@ from gpt import GPT, GPTConfig
 
 from lightning_zero3 import Zero3Config, Zero3Engine
 from lightning_zero3.engine.offload.source import ParamSource
-from lightning_zero3.engine.schedule.residency import PROFILE_CALLS, UnitProfile, auto_budget, choose_resident
 from lightning_zero3.engine.schedule import gathers as gathers_module
+from lightning_zero3.engine.schedule.residency import PROFILE_CALLS, UnitProfile, auto_budget, choose_resident
 from lightning_zero3.engine.shard import flat_group as shard_module
 
 SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine import Zero3Engine
+from ..engine.comm.collective_log import EXPORT_FIX, collective, in_phase
 from ..engine.engine import owning_engine
 from .adapters import LoraMerge, adapter_values, lora_merge, merged
 from .hf import DEFAULT_MAX_SHARD, find_hf_model, hf_configuration, write_hf_directory
@@ -28,6 +29,7 @@ from .writers import TensorEntry, write_safetensors, write_torch
 FORMATS = ("pt", "safetensors", "hf")
 
 
+@in_phase("save_full_weights", EXPORT_FIX)
 def save_full_weights(
     module: nn.Module, path: Union[str, "os.PathLike[str]"], prefix: Optional[str] = None, fmt: Optional[str] = None,
     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD, merge_adapters: Optional[bool] = None,
@@ -103,7 +105,8 @@ def _all_gather_objects(engine: Optional[Zero3Engine], obj) -> list:
     if engine is not None:
         return engine.comm.all_gather_objects(obj)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
+    with collective("world", "all-gather of Python objects"):
+        dist.all_gather_object(everyone, obj)
     return everyone
 
 

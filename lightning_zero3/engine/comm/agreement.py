@@ -118,7 +118,7 @@ class OrderCheck:
         if not self.comm.distributed or not groups:
             return
         self.settle()
-        agreement = self.comm.agree_later(self.tag(groups), before="all_gather")
+        agreement = self.comm.agree_later(self.tag(groups), before="all_gather", what=groups)
         self.seq += 1
         self.counts["blocking"] += 1
         self._compare(agreement.rows())
@@ -126,7 +126,8 @@ class OrderCheck:
     def check_ahead(self, groups: Sequence[Checked], issue: Callable[[list], None]) -> None:
         """Send the tag of gathers ahead of need without waiting; ``issue(groups)`` runs at the next
         ``settle`` once every rank is seen to agree (see [Note: checks run a unit ahead])."""
-        entry = CheckedAhead(self, self.comm.agree_later(self.tag(groups), before="all_gather"), list(groups), issue)
+        agreement = self.comm.agree_later(self.tag(groups), before="all_gather", what=groups)
+        entry = CheckedAhead(self, agreement, list(groups), issue)
         self.seq += 1
         self.counts["ahead"] += 1
         for group in groups:

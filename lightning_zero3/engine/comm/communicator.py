@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from .collective_log import LOG, collective
 from .records import Agreement, CollectiveStats, Pending, Works
 from .timing import Clock, Span, clock_for
 from .topology import Topology, inter_node_bytes
@@ -301,6 +302,7 @@ class Communicator:
                 output.copy_(shard)
             return self._finish(Pending(self, None, span, sinks, nbytes, None, inter_node), async_op)
         group = self.secondary_group if over == "secondary" else self.group
+        entry = LOG.issue(over, "all-gather", output.numel(), self.secondary_members if over == "secondary" else None)
         way = self.choice.get(("all_gather", nbytes), ALL_GATHER_WAYS[0]) if over == "job" else ALL_GATHER_WAYS[0]
         if way == PAIR_EXCHANGE:
             work = self._swap_shards(output, shard, group)
@@ -308,7 +310,7 @@ class Communicator:
             work = dist.all_gather(list(output.chunk(n)), shard, group=group, async_op=True)
         else:
             work = dist.all_gather_single(output, shard, group=group, async_op=True)
-        return self._finish(Pending(self, work, span, sinks, nbytes, None, inter_node), async_op)
+        return self._finish(Pending(self, work, span, sinks, nbytes, None, inter_node, entry), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Optional[Pending]:
         """Sum ``full`` over ranks and leave this rank's slice of the sum in ``output``."""
@@ -321,6 +323,7 @@ class Communicator:
         way = self.choice.get(("reduce_scatter", nbytes), REDUCE_SCATTER_WAYS[0])
         finish = None
         group = self.reduce_group  # [Note: three process groups]
+        entry = LOG.issue("reduce", "reduce-scatter", full.numel())
         if way == PAIR_EXCHANGE:
             work, finish = self._swap_halves(output, full, group)
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
@@ -332,7 +335,7 @@ class Communicator:
         else:
             work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
             inter_node = self._inter_node("reduce_scatter", nbytes, "reduce")
-        return self._finish(Pending(self, work, span, sinks, nbytes, finish, inter_node), async_op)
+        return self._finish(Pending(self, work, span, sinks, nbytes, finish, inter_node, entry), async_op)
 
     def _swap(self, kind: str, send: torch.Tensor, receive: torch.Tensor, group: Any) -> Works:
         """Send ``send`` to the other rank of a two-rank ``group`` and receive its message into ``receive``.
@@ -398,21 +401,23 @@ class Communicator:
     # -- small synchronous collectives ------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        span, work, nbytes = self.clock.span(), None, tensor.numel() * tensor.element_size()
+        span, work, nbytes, entry = self.clock.span(), None, tensor.numel() * tensor.element_size(), None
         if self.distributed:
+            entry = LOG.issue("job", "all-reduce", tensor.numel())
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         inter_node = self._inter_node("all_reduce", nbytes, "job")
-        Pending(self, work, span, self._sinks("all_reduce", tensor), nbytes, None, inter_node).wait()
+        Pending(self, work, span, self._sinks("all_reduce", tensor), nbytes, None, inter_node, entry).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         span, work, nbytes = self.clock.span(), None, tensor.numel() * tensor.element_size()
-        inter_node = 0
+        inter_node, entry = 0, None
         if self.distributed:
             root = dist.get_global_rank(self.group, src) if self.group else src
+            entry = LOG.issue("job", "broadcast", tensor.numel())
             work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
             inter_node = nbytes if self.topology.node_of(root) != self.topology.node_of(self.global_rank) else 0
-        Pending(self, work, span, self._sinks("broadcast", tensor), nbytes, None, inter_node).wait()
+        Pending(self, work, span, self._sinks("broadcast", tensor), nbytes, None, inter_node, entry).wait()
         return tensor
 
     def all_gather_objects(self, obj: Any, on_check_group: bool = False) -> list:
@@ -421,7 +426,8 @@ class Communicator:
         if not self.distributed:
             return [obj]
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, obj, group=self.check_group if on_check_group else self.group)
+        with collective("check" if on_check_group else "job", "all-gather of Python objects"):
+            dist.all_gather_object(everyone, obj, group=self.check_group if on_check_group else self.group)
         return everyone
 
     def agree(self, tag: list[int], before: Optional[str] = None) -> list[list[int]]:
@@ -432,20 +438,21 @@ class Communicator:
         the bytes and counts per message size stay the collective's own."""
         return self.agree_later(tag, before).rows()
 
-    def agree_later(self, tag: list[int], before: Optional[str] = None) -> "Agreement":
+    def agree_later(self, tag: list[int], before: Optional[str] = None, what: Any = None) -> "Agreement":
         """``agree`` without waiting: the tag goes out now, ``rows()`` waits for every rank's (only the
-        wait counts as the collective's exposed time)."""
+        wait counts as the collective's exposed time). ``what``: the units checked, for the watchdog."""
         if not self.distributed:
             return Agreement(self, None, [list(tag)], before)
         host = torch.device("cpu") if self._side_groups else self.device  # the check group is gloo's
         mine = torch.tensor(tag, dtype=torch.int64, device=host)
         everyone = torch.empty(self.world_size * len(tag), dtype=torch.int64, device=host)
+        entry = LOG.issue("check", "order check before the all-gather of" if what is not None else "order check", what)
         work = dist.all_gather_single(everyone, mine, group=self.check_group, async_op=True)
         self.checks += 1
         nbytes = everyone.numel() * everyone.element_size()
         checks = self._by_group.setdefault(("check", "check"), CollectiveStats())
         checks.add(nbytes, 0.0, 0.0, self._inter_node("check", nbytes, "check"))  # its time is the gather's
-        return Agreement(self, work, everyone.view(self.world_size, len(tag)), before)
+        return Agreement(self, work, everyone.view(self.world_size, len(tag)), before, entry)
 
     @property
     def device(self) -> torch.device:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .collective_log import LOG, Entry
 from .timing import Span
 
 
@@ -45,8 +46,10 @@ class Pending:
         nbytes: int,
         finish: Optional[Callable[[], None]],
         inter_node: int = 0,
+        entry: Optional[Entry] = None,  # what the watchdog shows while this is waited for (collective_log.py)
     ) -> None:
         self._comm = comm
+        self._entry = entry
         self._work = work
         self._span = span
         self._stats = stats
@@ -65,7 +68,11 @@ class Pending:
             return
         self._span.waiting()
         if self._work is not None:
-            self._work.wait()
+            LOG.wait_begin(self._entry)
+            try:
+                self._work.wait()
+            finally:
+                LOG.wait_end()
         self._span.waited()
         if self._finish is not None:
             self._finish()
@@ -76,14 +83,21 @@ class Pending:
 class Agreement:
     """Every rank's tag of an ``agree_later``, once it has arrived (``rows``)."""
 
-    def __init__(self, comm: Any, work: Any, everyone: Any, before: Optional[str]) -> None:
+    def __init__(
+        self, comm: Any, work: Any, everyone: Any, before: Optional[str], entry: Optional[Entry] = None
+    ) -> None:
         self._comm, self._work, self._everyone, self._before = comm, work, everyone, before
+        self._entry = entry
         self._rows: Optional[list[list[int]]] = everyone if work is None else None
 
     def rows(self) -> list[list[int]]:
         if self._rows is None:
             start = time.perf_counter()
-            self._work.wait()
+            LOG.wait_begin(self._entry)
+            try:
+                self._work.wait()
+            finally:
+                LOG.wait_end()
             self._rows = self._everyone.tolist()
             if self._before is not None:  # straight into the totals: ``stats`` would drain (a CUDA sync)
                 totals = self._comm._stats[self._before]
