@@ -17,8 +17,6 @@ Each rank writes ``DIR/rank<R>.json``: its pid, and the time the mismatch began 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -33,21 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig, GPTModule, random_tokens  # noqa: E402
 
 import lightning_zero3  # noqa: E402
+from faults_run import Record  # noqa: E402  (each rank's JSON record, shared with the fault runs)
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 SETTINGS = dict(timeout=timedelta(seconds=120), hang_timeout=2.0, hang_idle_timeout=10.0, persistence_threshold=100,
                 tune_collectives=False)  # start in seconds
-
-
-class Record:
-    def __init__(self, out: Path, rank: int) -> None:
-        self.file = out / f"rank{rank}.json"
-        self.data = {"pid": os.getpid()}
-        self.write()
-
-    def write(self, **more) -> None:
-        self.data.update(more)
-        self.file.write_text(json.dumps(self.data))
 
 
 class Mismatched(GPTModule):
