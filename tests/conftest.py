@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT / "examples", ROOT / "tests"):
+for path in (ROOT / "examples", ROOT / "examples" / "benchmarks", ROOT / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

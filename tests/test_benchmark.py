@@ -1,4 +1,4 @@
-"""examples/benchmark.py runs every strategy on a small model and writes a table and JSON of sane figures."""
+"""examples/benchmarks/benchmark.py runs every strategy on a small model and writes a table and JSON of sane figures."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_benchmark_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--strategies", "zero3,ddp,fsdp2,deepspeed,zero3_fabric,single"]
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmarks" / "benchmark.py"), "--strategies", "zero3,ddp,fsdp2,deepspeed,zero3_fabric,single"]
     cmd += ["--runs", "1", "--steps", "5", "--warmup", "2", "--n-layer", "2", "--n-embd", "64", "--n-head", "2"]
     cmd += ["--block-size", "32", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -43,7 +43,7 @@ def test_benchmark_table_and_json(tmp_path):
 
 
 def test_a_failed_exit_fails_the_run_unless_the_worker_may_fail_at_exit(tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
     from processes import read_result
 
     result = tmp_path / "result.json"
@@ -57,11 +57,11 @@ def test_a_failed_exit_fails_the_run_unless_the_worker_may_fail_at_exit(tmp_path
 
 
 def test_load_benchmark_quick_mode_loads_alike_and_reads_the_checkpoint_once(tmp_path):
-    """``examples/benchmark_load.py --quick``: every row loads the same model (same loss), and zero3's ranks
+    """``examples/benchmarks/benchmark_load.py --quick``: every row loads the same model (same loss), and zero3's ranks
     each read only their part of the checkpoint."""
     out = tmp_path / "load.json"
     methods = "zero3,init_then_zero3,fsdp2" + (",deepspeed" if importlib.util.find_spec("deepspeed") else "")
-    cmd = [sys.executable, str(ROOT / "examples" / "benchmark_load.py"), "--quick", "--methods", methods,
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmarks" / "benchmark_load.py"), "--quick", "--methods", methods,
            "--dir", str(tmp_path / "checkpoint"), "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -86,7 +86,7 @@ def test_benchmark_compiles_every_block_of_the_lightning_rows(tmp_path):
     """``--compile``: zero3, DDP and FSDP2 train the same model with each block compiled in place (their losses
     agree), the table says so, and the rows that are not Lightning Trainer's say why they are left out."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--compile", "--strategies",
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmarks" / "benchmark.py"), "--compile", "--strategies",
            "zero3,ddp,fsdp2,zero3_fabric", "--runs", "1", "--steps", "4", "--warmup", "2", "--n-layer", "2",
            "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -100,10 +100,10 @@ def test_benchmark_compiles_every_block_of_the_lightning_rows(tmp_path):
 
 
 def test_profile_step_charges_the_step_to_zero3s_parts():
-    """``examples/profile_step.py``: every part of the table is measured, the parts together are the profiled
+    """``examples/benchmarks/profile_step.py``: every part of the table is measured, the parts together are the profiled
     steps' own time (each function's, and each C function's split over its callers, charged once), and the
     zero3 parts make Python calls."""
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
     import profile_step
 
     figures = profile_step.main(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
@@ -118,9 +118,9 @@ def test_profile_step_charges_the_step_to_zero3s_parts():
 
 
 def test_step_phases_splits_each_step_of_zero3_and_ddp_into_forward_backward_and_optimizer():
-    """``examples/step_phases.py``: a figure for every strategy, phase and run (how they compare is the
+    """``examples/benchmarks/step_phases.py``: a figure for every strategy, phase and run (how they compare is the
     script's to print, not this test's to bound)."""
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
     import step_phases
 
     results = step_phases.main(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
@@ -134,7 +134,7 @@ def test_step_phases_splits_each_step_of_zero3_and_ddp_into_forward_backward_and
 
 
 def test_collective_cost_times_every_way_zero3_and_ddp_move_a_unit():
-    cmd = [sys.executable, str(ROOT / "examples" / "collective_cost.py"), "--numel", "65536", "--repeats", "3"]
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmarks" / "collective_cost.py"), "--numel", "65536", "--repeats", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in done.stdout.splitlines() if line.count("|") == 2}
@@ -146,7 +146,7 @@ def test_collective_cost_times_every_way_zero3_and_ddp_move_a_unit():
 
 def test_single_device_row_is_plain_lightning_beside_zero3_at_world_size_one(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--devices", "1", "--strategies", "zero3,single"]
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmarks" / "benchmark.py"), "--devices", "1", "--strategies", "zero3,single"]
     cmd += ["--runs", "1", "--steps", "4", "--warmup", "1", "--n-layer", "2", "--n-embd", "64", "--n-head", "2"]
     cmd += ["--block-size", "32", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)

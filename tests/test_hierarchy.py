@@ -273,7 +273,7 @@ def test_bytes_counted_from_the_issued_collectives_are_the_ledgers_and_the_paper
     """The bytes that crossed nodes in step 2, counted from the collectives every rank issued (payload
     sizes per process group and its members, ``_counted_inter_node``), not from ``inter_node_bytes``:
     the ledger's figures (which that rule computes) are these, group by group, to the byte; and the
-    README's 8x8 / 70B table (``examples/bytes_across_nodes.py``, the same rule applied to the whole model
+    README's 8x8 / 70B table (``examples/benchmarks/bytes_across_nodes.py``, the same rule applied to the whole model
     on paper) is within 2% of them here. The formula counts every parameter in every collective: here the
     head kept gathered from forward into backward (0.4% of the parameters), padding and the identity
     checks make the counted figures differ by well under 2%."""

@@ -55,7 +55,7 @@ def test_a_meta_model_is_initialised_by_rank_0_and_trains_like_ddp():
 
 
 def test_peak_rss_while_initialising_stays_within_1_2x_the_shard_bytes():
-    """200M parameters on 2 ranks (``examples/benchmark_init.py`` runs the same at 1B for the README)."""
+    """200M parameters on 2 ranks (``examples/benchmarks/benchmark_init.py`` runs the same at 1B for the README)."""
     rows = measure(n_layer=16, n_embd=1024, n_head=16, world=2)
     params = rows[0]["params"]
     assert params > 200_000_000

@@ -19,7 +19,7 @@ which m sit on other nodes than this rank:
   that a backend runs as an all-reduce, see [Note: measured collective choice], counts as what it runs);
 - broadcast: S when the source is on another node, else 0.
 
-Every strategy compared in ``examples/benchmark.py`` is counted by the same rule. It is the data that
+Every strategy compared in ``examples/benchmarks/benchmark.py`` is counted by the same rule. It is the data that
 must come over the network, not what a given implementation sends: a ring that passes pieces along
 carries some of them across a boundary more than once, and a topology-aware one (NCCL's trees, a
 hierarchical all-gather) can bring a remote piece into a node once and share it there. Per node, the

@@ -1,7 +1,9 @@
 """Sharded checkpoint speed against the disk, and the memory of consolidating a 1B-parameter model.
 
-    python examples/benchmark_checkpoint.py                  # 2 ranks, ~85M-parameter GPT, 1.3B consolidation
-    python examples/benchmark_checkpoint.py --runs 5 --dir /local_nvme/bench
+Question: How close to the disk's own bandwidth do sharded checkpoints save and load, and what does consolidation cost in memory?
+
+    python examples/benchmarks/benchmark_checkpoint.py                  # 2 ranks, ~85M-parameter GPT, 1.3B consolidation
+    python examples/benchmarks/benchmark_checkpoint.py --runs 5 --dir /local_nvme/bench
 
 Three measurements, in one run, in a scratch directory on the disk under test (``--dir``):
 
@@ -37,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 BLOCK = 64 << 20
 

@@ -1,7 +1,9 @@
 """Start-up time and peak memory of sharded initialisation, for a GPT of 1B parameters on 2 CPU ranks.
 
-    python examples/benchmark_init.py                          # 1.01B parameters: 20 layers x 2048
-    python examples/benchmark_init.py --n-layer 24 --n-embd 512   # 76M, what the test runs
+Question: How long does sharded initialisation of a large model take, and does any rank ever hold the whole model?
+
+    python examples/benchmarks/benchmark_init.py                          # 1.01B parameters: 20 layers x 2048
+    python examples/benchmarks/benchmark_init.py --n-layer 24 --n-embd 512   # 76M, what the test runs
 
 Each rank starts its process group, notes its RSS (the *baseline*: interpreter, torch, gloo) and resets
 the kernel's high-water mark there (``/proc/self/clear_refs``), then builds the GPT on the meta device
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this folder, and examples/ (gpt.py)
 
 from gpt import GPT, GPTConfig  # noqa: E402
 

@@ -1,7 +1,9 @@
 """What each collective costs on this host: wall time and CPU time per call, at one unit's size.
 
-    python examples/collective_cost.py                       # one block of the benchmark GPT (2.41M fp32), 2 CPU ranks
-    python examples/collective_cost.py --numel 1000000 --world-size 4 --repeats 30
+Question: What does each collective cost on this host, in wall time and CPU time, at one unit's size?
+
+    python examples/benchmarks/collective_cost.py                       # one block of the benchmark GPT (2.41M fp32), 2 CPU ranks
+    python examples/benchmarks/collective_cost.py --numel 1000000 --world-size 4 --repeats 30
 
 On CPU ranks the collectives' copies run on the same cores as the compute, so what a step pays for
 communication is their CPU time, not how much of it overlaps. The table gives, per call, the median
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-BENCHMARK_BLOCK = 12 * 448 * 448 + 13 * 448  # one block of examples/benchmark.py's GPT (8 x 448)
+BENCHMARK_BLOCK = 12 * 448 * 448 + 13 * 448  # one block of examples/benchmarks/benchmark.py's GPT (8 x 448)
 GATHERS = ("all_gather", "swap shards")  # the ways zero3 may gather a unit
 REDUCTIONS = ("reduce_scatter", "all_reduce + slice", "swap halves")  # ... and reduce its gradients
 

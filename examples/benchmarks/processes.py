@@ -1,6 +1,9 @@
 """Small helpers the benchmark scripts share: a free port, a process's whole-run peak memory, closing the
 process group a worker's strategy left open, running a worker (alone, or its ranks under torchrun) and
-reading what it wrote."""
+reading what it wrote.
+
+Question: none of its own; it serves the benchmark scripts.
+"""
 
 from __future__ import annotations
 

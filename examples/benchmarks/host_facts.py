@@ -1,5 +1,7 @@
 """The facts of the machine a benchmark ran on, written beside its figures.
 
+Question: On what machine was a figure measured (CPU model, cores, memory, kernel, library versions)?
+
 A ratio measured on one host is one sample: the same code has run at 0.99x and at 1.17x DDP's step on
 two 2-core hosts. So every table says which host it came from: the processor, the cores this process
 may use, memory, the kernel and its transparent-huge-page mode (host buffers are laid out for huge

@@ -1,7 +1,9 @@
 """Whole-run peak memory of each rank, for zero3 and its peers, as a user runs them.
 
-    python examples/benchmark_memory.py                 # ~25 minutes on 2 CPU cores
-    python examples/benchmark_memory.py --runs 1 --steps 2 --n-layer 2 --capacity-layers 2   # a quick look
+Question: What is each rank's peak memory over a whole run, and how large a model fits in a given host memory under offload?
+
+    python examples/benchmarks/benchmark_memory.py                 # ~25 minutes on 2 CPU cores
+    python examples/benchmarks/benchmark_memory.py --runs 1 --steps 2 --n-layer 2 --capacity-layers 2   # a quick look
 
 Part 1, 2 ranks, a GPT of 113M parameters (16 layers x 768): every strategy runs, in one process per rank,
 what a user's script does: ``fit`` with ``gradient_clip_val=1.0`` and one checkpoint saved by
@@ -32,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 from processes import close_process_group, peak_rss, run_worker  # noqa: E402
 

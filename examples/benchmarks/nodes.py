@@ -1,6 +1,8 @@
 """Simulated nodes for ``benchmark.py --nodes N``: start a run as N torchrun agents on this host, and count
 what every strategy moves across node boundaries.
 
+Question: How many bytes does each strategy move across (simulated) node boundaries?
+
 ``run_as_nodes`` starts one ``torchrun --nnodes N --nproc-per-node G`` agent per simulated node, all
 meeting at a c10d rendezvous on 127.0.0.1 (public tools only; on a cluster each agent runs on its own
 machine with the same command). Lightning picks ``TorchElasticEnvironment`` and numbers the ranks node by

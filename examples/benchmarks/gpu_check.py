@@ -1,7 +1,9 @@
 """The checks that need a GPU, in one run of a few minutes on one CUDA device:
 
-    python examples/gpu_check.py                 # a table; exit status 1 when any check failed
-    python examples/gpu_check.py --json out.json # the same rows as JSON
+Question: Does zero3 compute the right numbers on a GPU, and how fast does it step there against one-GPU training and FSDP2?
+
+    python examples/benchmarks/gpu_check.py                 # a table; exit status 1 when any check failed
+    python examples/benchmarks/gpu_check.py --json out.json # the same rows as JSON
 
 Without a CUDA device it says so and exits 0, having run nothing. Each check runs in a fresh process on
 GPU 0 (Lightning ``Trainer(devices=1)``, so the process group is NCCL with one rank). The correctness
@@ -34,7 +36,7 @@ benchmarks run alone. One process keeps every unit gathered by default, so the c
   exposed. Then the start-up peak of that size.
 - ``monitors``: ``MemoryMonitor`` and ``CommMonitor`` on under NCCL, gathering on the GPU; the CUDA
   allocator figures and the communication figures they logged last (their ``last_logged``).
-- ``benchmark <strategy>``: ``examples/benchmark.py`` on this GPU under zero3, DDP, FSDP2
+- ``benchmark <strategy>``: ``examples/benchmarks/benchmark.py`` on this GPU under zero3, DDP, FSDP2
   (``ModelParallelStrategy``) and plain single-device Lightning (``single``), ``bf16-mixed``: step time,
   tokens/s and model FLOPs utilization,
   MFU = 6 x parameters x tokens/s / peak bf16 FLOP/s (attention's own FLOPs left out, as in the common
@@ -48,14 +50,14 @@ benchmarks run alone. One process keeps every unit gathered by default, so the c
 
 - ``85M zero3`` and ``85M single`` (only with ``--parts target``): the 85M GPT of ``benchmark`` under zero3
   and ``single`` alone, three runs each in turn, and ``target 85M``: the world-size-1 bound (1.25x) in
-  six processes instead of the benchmark part's eight, for a device session that has time for little else.
+  six processes instead of the benchmark part's eight, for a GPU run that has time for little else.
 
-- ``profile <model> <strategy>`` (only with ``--parts profile``): ``examples/device_profile.py`` on the 85M
+- ``profile <model> <strategy>`` (only with ``--parts profile``): ``examples/benchmarks/device_profile.py`` on the 85M
   GPT (zero3, DDP, single) and the 1B one (zero3, single): per step, the device's busy and idle time, the
   host's waits for it and the costliest kernels.
 
 ``--parts`` runs a subset (``checks``, ``big``, ``benchmark``, ``target``, ``profile``; default the first three) in the
-order given, for a device session too short for all; each part's rows are printed (and ``--json``
+order given, for a GPU run too short for all; each part's rows are printed (and ``--json``
 rewritten) as soon as the part ends, so a run cut short still reports what it measured.
 
 ``--accelerator cpu`` runs the same checks on the CPU: a dry run of this script's own machinery (the
@@ -82,7 +84,7 @@ from typing import Any, Optional
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 from processes import free_port  # noqa: E402
 
@@ -108,7 +110,7 @@ PEAK_FLOPS = (
 #: the model of the correctness checks (the CPU parity suite's shape, a little wider)
 PARITY_GPT = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH = 8
-#: examples/benchmark.py's arguments: a GPT of 85M parameters, 8192 tokens a step
+#: examples/benchmarks/benchmark.py's arguments: a GPT of 85M parameters, 8192 tokens a step
 BENCHMARK = {"cuda": ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "--block-size", "512", "--batch-size", "16",
                       "--steps", "30", "--warmup", "10", "--runs", "2"],
              "cpu": ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
@@ -128,9 +130,9 @@ BIG_STRATEGIES = ("zero3", "single", "fsdp2")
 TARGET_X_SINGLE = {"benchmark": 1.25, "1B": 1.10}
 PARTS = ("checks", "big", "benchmark", "target", "profile")
 # asked for by name: the profile (5 more runs, not yet timed on a GPU), and the target part (what the
-# benchmark part measures too, alone, for a short session)
+# benchmark part measures too, alone, for a short GPU run)
 DEFAULT_PARTS = ("checks", "big", "benchmark")
-#: the profile part: examples/device_profile.py at one device, per model, the strategies it compares
+#: the profile part: examples/benchmarks/device_profile.py at one device, per model, the strategies it compares
 PROFILES = {"85M": (BENCHMARK, ("zero3", "ddp", "single")), "1B": (BIG, ("zero3", "single"))}
 
 
@@ -356,7 +358,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"comma-separated, of {', '.join(PARTS)}, run in the order given: the correctness checks, "
                         "the ~1B world-size-1 comparison (eager and compiled), the 85M benchmark, the 85M GPT under "
-                        "zero3 and single alone, where the step's time goes on the device (examples/device_profile.py); "
+                        "zero3 and single alone, where the step's time goes on the device (examples/benchmarks/device_profile.py); "
                         f"default {','.join(DEFAULT_PARTS)}")
     p.add_argument("--jobs", type=int, default=0,
                    help="correctness workers run side by side (default: all of them on a GPU, 2 on the CPU); the "
@@ -380,7 +382,7 @@ _RUNNING: set[int] = set()
 
 
 def _end_children_and_exit(signum: int, frame: Any) -> None:
-    """A TERM (``timeout``, a device session ending): end every running child's process group first,
+    """A TERM (``timeout``, a job's time limit): end every running child's process group first,
     so that nothing this script started outlives it, then exit."""
     for pid in list(_RUNNING):
         _end_group(pid)
@@ -398,9 +400,9 @@ def run_child(name: str, cmd: list[str], timeout: float, **kwargs: Any) -> Optio
     """Run one child process; None when it exited 0, else why not (its exit status and last lines).
 
     Its output goes to its log file (``--logs``) as it is written, so a run cut short (by this
-    timeout, or by a device session ending) still leaves the lines each child printed so far: the
-    benchmark prints every run's step time as that run ends. The child starts a process session of
-    its own, and ends with everything it started: a benchmark's worker processes hold the output pipe
+    timeout, or by a job's time limit) still leaves the lines each child printed so far: the
+    benchmark prints every run's step time as that run ends. The child starts a process group of
+    its own (``start_new_session``), and ends with everything it started: a benchmark's worker processes hold the output pipe
     of whatever waits on this script, and killing the benchmark alone left them running to the end."""
     print(f"running {name} ...", flush=True)
     if LOG_DIR is not None:
@@ -509,7 +511,7 @@ def big_benchmark(accelerator: str, tmp: Path) -> list[Row]:
 
 def timed_rows(label: str, options: list[str], strategies: tuple[str, ...], accelerator: str, tmp: Path,
                reference: str, target_of: Optional[str] = None) -> list[Row]:  # fmt: skip
-    """One ``examples/benchmark.py`` run: its header row, a row per strategy (ratios to ``reference``'s
+    """One ``examples/benchmarks/benchmark.py`` run: its header row, a row per strategy (ratios to ``reference``'s
     step) and zero3's target row against the bound ``TARGET_X_SINGLE[target_of or label]``."""
     summary, params, header = run_benchmark(label, options, strategies, accelerator, tmp)
     if summary is None:
@@ -519,7 +521,7 @@ def timed_rows(label: str, options: list[str], strategies: tuple[str, ...], acce
 
 
 def device_profiles(accelerator: str, tmp: Path) -> list[Row]:
-    """``examples/device_profile.py`` at one device, ``bf16-mixed``: per model and strategy, the step's
+    """``examples/benchmarks/device_profile.py`` at one device, ``bf16-mixed``: per model and strategy, the step's
     device-busy and idle time, host syncs and costliest kernels (INFO rows: figures to read)."""
     rows = []
     for label, (options, strategies) in PROFILES.items():
@@ -551,7 +553,7 @@ def _without_option(options: list[str], flag: str) -> list[str]:
 
 def run_benchmark(label: str, options: list[str], strategies: tuple[str, ...], accelerator: str,
                   tmp: Path) -> tuple[Optional[dict], int, Row]:  # fmt: skip
-    """``examples/benchmark.py`` at one device in bf16-mixed: (its summary or None, the model's parameter
+    """``examples/benchmarks/benchmark.py`` at one device in bf16-mixed: (its summary or None, the model's parameter
     count, a header row saying what ran or why it failed)."""
     from gpt import GPT, GPTConfig, count_parameters
 

@@ -1,10 +1,12 @@
 """Where a step's time goes by phase (forward, backward, optimizer step), zero3 beside DDP, with how often the
 compute thread was preempted in each: a table.
 
-    python examples/step_phases.py                         # the benchmark GPT (8 x 448), 2 CPU ranks, 3 runs each
-    python examples/step_phases.py --runs 3 --strategies zero3,ddp,fsdp2
+Question: How does a step's time split into forward, backward and optimizer step, zero3 beside DDP?
 
-Each run trains the GPT of ``examples/benchmark.py`` (its options and defaults) through a Lightning
+    python examples/benchmarks/step_phases.py                         # the benchmark GPT (8 x 448), 2 CPU ranks, 3 runs each
+    python examples/benchmarks/step_phases.py --runs 3 --strategies zero3,ddp,fsdp2
+
+Each run trains the GPT of ``examples/benchmarks/benchmark.py`` (its options and defaults) through a Lightning
 ``Trainer``, the strategies in turn; rank 0 marks Lightning's hooks around each phase of every step after
 the warm-up (``on_train_batch_start``, ``on_before_backward``, ``on_after_backward``,
 ``on_before_optimizer_step``, ``on_train_batch_end``) and reads, at each mark, the wall clock, the CPU time
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 PHASES = (("forward", "start", "backward"), ("backward", "backward", "after backward"),
           ("optimizer", "optimizer", "end"))  # fmt: skip
@@ -97,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run(strategy: str, argv: list[str]) -> dict:
     """One run of ``strategy`` in processes of its own; a failed run ends the command with the worker's
-    last lines (the benchmark's launch and reading of results, examples/processes.py)."""
+    last lines (the benchmark's launch and reading of results, examples/benchmarks/processes.py)."""
     from processes import read_result, run_worker
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,8 +1,10 @@
 """Generation under zero3's inference residency, against the peers, in one run.
 
-    python examples/benchmark_inference.py                  # ~20 minutes on 2 CPU cores
-    python examples/benchmark_inference.py --nvme-layers 0  # part 1 alone; --layers 0: part 2 alone
-    python examples/benchmark_inference.py --runs 1 --new-tokens 8 --layers 2 --nvme-layers 2   # a quick look
+Question: How fast does zero3 generate under an inference memory budget, against DDP, DeepSpeed and accelerate?
+
+    python examples/benchmarks/benchmark_inference.py                  # ~20 minutes on 2 CPU cores
+    python examples/benchmarks/benchmark_inference.py --nvme-layers 0  # part 1 alone; --layers 0: part 2 alone
+    python examples/benchmarks/benchmark_inference.py --runs 1 --new-tokens 8 --layers 2 --nvme-layers 2   # a quick look
 
 Part 1, 2 ranks, a Llama-style Hugging Face model of 101M parameters (random init, fp32): greedy
 generation with a KV cache (``generate(..., synced_gpus=True)`` in ``predict_step``), batch 8 per rank,
@@ -38,7 +40,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 from processes import close_process_group, exit_note, peak_rss, read_result, run_worker  # noqa: E402
 

@@ -1,6 +1,8 @@
 """Loss curves of several runs side by side, read back from the TensorBoard event files they logged.
 
-    python examples/loss_curves.py runs/gpt-none/version_0 runs/gpt-int8/version_0 --every 25
+Question: Do two runs' loss curves agree (for example int8 gathers against full precision)?
+
+    python examples/benchmarks/loss_curves.py runs/gpt-none/version_0 runs/gpt-int8/version_0 --every 25
 
 Prints, for each logged step that ends a block of ``--every`` steps (steps counted from 1), each run's
 ``--tag`` (default ``train_loss``) and its difference from the first run, relative; then the last value of

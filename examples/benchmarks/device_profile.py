@@ -1,11 +1,13 @@
 """Where a training step's time goes on one GPU: how long the device computed and how long it sat idle
 waiting for the host, how often the host waited for the device, and which kernels took the time.
 
-    python examples/device_profile.py --strategy zero3 --n-layer 12 --n-embd 768 --n-head 12 \
+Question: Where does a GPU training step's time go: device compute, idle waiting for the host, which kernels?
+
+    python examples/benchmarks/device_profile.py --strategy zero3 --n-layer 12 --n-embd 768 --n-head 12 \
         --block-size 512 --batch-size 16 --precision bf16-mixed     # prints one row, --json for the figures
 
 One process, one device (``Trainer(devices=1)``): ``--strategy`` is zero3, ddp or single (plain Lightning,
-``strategy="auto"``); the model options are ``examples/benchmark.py``'s. After ``--warmup`` steps,
+``strategy="auto"``); the model options are ``examples/benchmarks/benchmark.py``'s. After ``--warmup`` steps,
 ``torch.profiler`` records ``--steps`` more, the host waiting for the device before and after them, and:
 
 - ``busy``: the union of the device's kernel, copy and fill intervals per step; ``idle`` = wall - busy.
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 STRATEGIES = ("zero3", "ddp", "single")
 TOP_KERNELS = 5

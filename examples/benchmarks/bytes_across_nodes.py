@@ -1,7 +1,9 @@
 """Bytes that cross node boundaries per training step, on paper, from the byte ledger's own rules.
 
-    python examples/bytes_across_nodes.py                                   # 70B model, 8 nodes x 8 GPUs, bf16
-    python examples/bytes_across_nodes.py --params 20.3e6 --nodes 2 --ranks-per-node 2 --bytes 4
+Question: How many bytes cross node boundaries per step, with and without secondary shards and int8 gathers?
+
+    python examples/benchmarks/bytes_across_nodes.py                                   # 70B model, 8 nodes x 8 GPUs, bf16
+    python examples/benchmarks/bytes_across_nodes.py --params 20.3e6 --nodes 2 --ranks-per-node 2 --bytes 4
                                                                             # benchmark.py --nodes 2's GPT, fp32
 
 For each strategy, the bytes one rank receives from ranks on other nodes in one step, by the rule of

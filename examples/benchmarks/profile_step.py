@@ -1,12 +1,14 @@
 """Where zero3's host time goes in a training step, per unit: a table from Python's own profiler.
 
-    python examples/profile_step.py                    # the benchmark GPT (8 x 448), 2 CPU ranks
-    python examples/profile_step.py --n-layer 32 --n-embd 64 --n-head 4   # tiny layers: the step is overhead
-    python examples/profile_step.py --devices 1        # one process (see "One process" in the README)
-    python examples/profile_step.py --zero3 prefetch_bucket_size=0 --steps 12   # the benchmark's options
-    python examples/profile_step.py --top=15           # and the 15 functions that cost zero3 most
+Question: Where does zero3's own host (Python) time go in a training step, per unit?
 
-Each rank trains the GPT of ``examples/benchmark.py`` (its options and defaults) through a Lightning ``Trainer`` and runs ``cProfile``
+    python examples/benchmarks/profile_step.py                    # the benchmark GPT (8 x 448), 2 CPU ranks
+    python examples/benchmarks/profile_step.py --n-layer 32 --n-embd 64 --n-head 4   # tiny layers: the step is overhead
+    python examples/benchmarks/profile_step.py --devices 1        # one process (see "One process" in the README)
+    python examples/benchmarks/profile_step.py --zero3 prefetch_bucket_size=0 --steps 12   # the benchmark's options
+    python examples/benchmarks/profile_step.py --top=15           # and the 15 functions that cost zero3 most
+
+Each rank trains the GPT of ``examples/benchmarks/benchmark.py`` (its options and defaults) through a Lightning ``Trainer`` and runs ``cProfile``
 over the steps after the warm-up. Every function's own time is charged to a part of zero3 by the file it
 is written in (a C function, such as a tensor copy or a collective's wait, to the file that called it), so
 the table says what each part costs per step and per unit, and how many Python calls it makes per unit:
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 PARTS = {
     "hooks": ("hooks.py", "runtime.py", "prefetch.py"),

@@ -1,14 +1,16 @@
 """zero3 side by side with its peers, in one run: DDP, torch FSDP2 and DeepSpeed ZeRO-3.
 
-    python examples/benchmark.py                       # ~20M-parameter GPT, 2 CPU ranks, 3 runs each
-    python examples/benchmark.py --runs 5 --steps 30   # more samples
-    python examples/benchmark.py --n-layer 2 --n-embd 64 --steps 6 --runs 1   # a quick look
-    python examples/benchmark.py --accelerator cuda --devices 1 --precision bf16-mixed --strategies zero3,ddp,fsdp2
-    python examples/benchmark.py --nodes 2             # 2 simulated nodes x 2 ranks: bytes crossing nodes
-    python examples/benchmark.py --compile --strategies zero3,ddp,fsdp2   # every block torch.compile'd in place
+Question: How fast does zero3 train, and with how much memory per rank, against DDP, FSDP2 and DeepSpeed?
+
+    python examples/benchmarks/benchmark.py                       # ~20M-parameter GPT, 2 CPU ranks, 3 runs each
+    python examples/benchmarks/benchmark.py --runs 5 --steps 30   # more samples
+    python examples/benchmarks/benchmark.py --n-layer 2 --n-embd 64 --steps 6 --runs 1   # a quick look
+    python examples/benchmarks/benchmark.py --accelerator cuda --devices 1 --precision bf16-mixed --strategies zero3,ddp,fsdp2
+    python examples/benchmarks/benchmark.py --nodes 2             # 2 simulated nodes x 2 ranks: bytes crossing nodes
+    python examples/benchmarks/benchmark.py --compile --strategies zero3,ddp,fsdp2   # every block torch.compile'd in place
 
 With ``--nodes N`` every run is N torchrun agents on this host meeting at a c10d rendezvous, each starting
-``--devices`` ranks (``examples/nodes.py``), the Trainer gets ``num_nodes=N``, and the table adds the bytes
+``--devices`` ranks (``examples/benchmarks/nodes.py``), the Trainer gets ``num_nodes=N``, and the table adds the bytes
 one rank receives from other nodes per step. The strategies then default to zero3, zero3 with secondary
 shards (``zero3_hpz``: ``secondary_shard_size="node"``), zero3 with int8 gathers (``zero3_int8``), both
 (``zero3_hpz_int8``), DDP, and FSDP2 as HSDP (``fully_shard`` over a 2-D (replicate, shard) mesh: replicas across nodes, shards inside one).
@@ -51,7 +53,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 from host_facts import describe_host, host_facts  # noqa: E402
 from processes import close_process_group, exit_note, peak_rss, read_result, run_worker  # noqa: E402
@@ -390,7 +392,7 @@ def lightning_worker(strategy: str, args: argparse.Namespace) -> None:
 
     pl.seed_everything(0)
     # On one GPU every row builds the model on it: a 1B GPT's initialisation on the host took 19 s on a
-    # 2-core CPU, longer than its timed steps, in every process of a device session's short time.
+    # 2-core CPU, longer than its timed steps, in every process of a short GPU run.
     one_gpu = args.accelerator == "cuda" and args.devices * args.nodes == 1
     with torch.device("cuda") if one_gpu else contextlib.nullcontext():
         model = BenchGPT(model_config(args))

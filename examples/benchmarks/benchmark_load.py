@@ -1,7 +1,9 @@
 """Loading a pretrained Hugging Face checkpoint into a sharded model: zero3 against its peers, per rank.
 
-    python examples/benchmark_load.py                 # ~1B-parameter Llama, bf16 files, 4 ranks, 3 runs
-    python examples/benchmark_load.py --quick         # a small model, 1 run (what the test runs)
+Question: How fast does a pretrained checkpoint load into zero3's shards, against FSDP2 and DeepSpeed, and with how much memory?
+
+    python examples/benchmarks/benchmark_load.py                 # ~1B-parameter Llama, bf16 files, 4 ranks, 3 runs
+    python examples/benchmarks/benchmark_load.py --quick         # a small model, 1 run (what the test runs)
 
 One checkpoint (``save_pretrained``: bf16 safetensors split into several files with an index, written
 once under ``--dir``) is loaded into a model sharded over ``--ranks`` CPU processes with fp32 masters by:
@@ -41,7 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this folder, and examples/ (gpt.py)
 
 from processes import close_process_group, exit_note, read_result, run_worker  # noqa: E402
 

@@ -1,7 +1,9 @@
 """Offload figures, measured in one run on this machine, each the median of ``--runs`` repetitions.
 
-    python examples/benchmark_offload.py                 # ~3 minutes on 2 cores
-    python examples/benchmark_offload.py --runs 5 --nvme-path /local_nvme
+Question: What do CPU and NVMe offload cost: the host optimizer step, the swap bandwidth against the disk's, the step time?
+
+    python examples/benchmarks/benchmark_offload.py                 # ~3 minutes on 2 cores
+    python examples/benchmarks/benchmark_offload.py --runs 5 --nvme-path /local_nvme
 
 1. **Host optimizer step.** zero3's optimizer step under ``offload_optimizer="cpu"`` (AdamW over the
    offloaded shards, group by group, on torch's fused CPU kernel, with the engine's bookkeeping) against a
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this folder, and examples/ (gpt.py)
 
 from gpt import GPT, GPTConfig, random_tokens  # noqa: E402
 
