@@ -2,6 +2,7 @@
 
     lightning-zero3 fit --config examples/configs/gpt_zero3.yaml
     lightning-zero3 fit --config examples/configs/gpt_zero3.yaml --print_config
+    lightning-zero3 env [--json] [--nvme-path DIR]     # versions, devices, NVMe I/O: see env_report.py
     python -m lightning_zero3.cli fit --trainer.strategy zero3 --model ... --data ...
 
 Importing the package registers ``strategy: zero3`` (and the offload names); ``class_path:
@@ -17,11 +18,20 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightning_zero3  # noqa: F401  (registers the strategy names)
+
+# Lightning 2.6's CombinedLoader builds a torch ``LeafSpec`` for every dataloader, which torch 2.13
+# deprecates: a FutureWarning per rank at the first batch of any Lightning job, not caused by zero3 and
+# nothing a user can act on. Silenced for this command only, by message and module.
+warnings.filterwarnings(
+    "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+    module=r"lightning\.pytorch\.utilities\._pytree",
+)
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
@@ -41,6 +51,11 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 
 def main(args: ArgsType = None) -> int:
     """The console script: exit status 0 when the subcommand finished (errors exit non-zero on their own)."""
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, list) and argv[:1] == ["env"]:  # not a LightningCLI subcommand: the machine's report
+        from .env_report import main as env_main
+
+        return env_main(argv[1:])
     build_cli(args)
     return 0
 
