@@ -34,11 +34,26 @@ warnings.filterwarnings(
 )
 
 
+class Zero3CLI(LightningCLI):
+    """Lightning's CLI; the default progress bar leaves out ``v_num`` (the logger's version, already in the
+    log directory's name), which the rich bar prints as if it were a metric (``v_num: 0.000``)."""
+
+    def instantiate_trainer(self, **kwargs):
+        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+        trainer = super().instantiate_trainer(**kwargs)
+        bar = trainer.progress_bar_callback
+        if bar is not None and type(bar) in (RichProgressBar, TQDMProgressBar):
+            metrics = bar.get_metrics
+            bar.get_metrics = lambda *a, **k: {n: v for n, v in metrics(*a, **k).items() if n != "v_num"}
+        return trainer
+
+
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """The LightningCLI itself (``run=False`` parses and instantiates without running a subcommand)."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return LightningCLI(
+    return Zero3CLI(
         pl.LightningModule,
         pl.LightningDataModule,
         subclass_mode_model=True,

@@ -98,8 +98,9 @@ def test_advice_and_custom_scalars_layout(run):
     message = events.Tensors(next(t for t in advice if "fragmentation" in t))[0].tensor_proto.string_val[0]
     assert b"max_live_parameters" in message
     for kind in ("all_gather", "reduce_scatter"):
+        # advice needs low utilization (and, besides, settings that could still change something)
         low = any(v < 0.7 for v in _series(events, f"zero3/comm/{kind}/utilization/mean").values())
-        assert low == any(f"{kind}_utilization" in t for t in advice)
+        assert low or not any(f"{kind}_utilization" in t for t in advice)
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
         tag = f"zero3/comm/{kind}/utilization/mean"
         high = tag in events.Tags()["scalars"] and any(v > 1 for v in _series(events, tag).values())

@@ -53,6 +53,21 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * _PAGE
 
 
+def _main_heap_resident_bytes() -> Optional[int]:
+    """Resident bytes of the process's main heap (the ``[heap]`` mapping in ``/proc/self/smaps``)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            in_heap = False
+            for line in f:
+                if not line[0].isupper():  # a mapping's header line starts with its address
+                    in_heap = line.rstrip().endswith("[heap]")
+                elif in_heap and line.startswith("Rss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return 0
+
+
 def host_figures(engine_bytes: int) -> dict[str, float]:
     figures: dict[str, float] = {}
     if _MALLINFO2 is not None:
@@ -60,6 +75,13 @@ def host_figures(engine_bytes: int) -> dict[str, float]:
         figures["fragmentation"] = info.fordblks / info.arena if info.arena else 0.0
         figures["heap_arena_bytes"] = float(info.arena)
         figures["heap_free_bytes"] = float(info.fordblks)
+        # Free heap bytes are not all memory: zero3 returns free pages inside the heap to the kernel where a
+        # phase ends (malloc_trim), so they stay counted as free while nothing holds them. What is wasted is
+        # the free part of what the main heap keeps resident.
+        heap_resident = _main_heap_resident_bytes()
+        if heap_resident is not None:
+            used = info.arena - info.fordblks
+            figures["heap_free_resident_bytes"] = float(max(0, min(info.fordblks, heap_resident - used)))
         figures["mmapped_bytes"] = float(info.hblkhd)
     if os.path.exists("/proc/self/statm"):
         rss = rss_bytes()

@@ -22,15 +22,21 @@ And ``zero3/comm/prefetch_hit_rate``: the share of unit starts whose parameters 
 or in flight; ``zero3/comm/trace_changes``: the training steps (backward passes) of the interval whose
 unit order differed from the recorded trace (see [Note: the trace may change] in ``schedule/prefetch.py``).
 
-Advice when an all-gather or reduce-scatter runs below ``utilization_threshold`` (default 0.7) of peak,
-and when any kind's utilization, averaged over ranks, exceeds 1 (the mean over ranks, not one rank's
-figure: the rank that arrives last at a collective waits least for it, and can beat a true peak), and
-when the trace changed in most steps of an interval (prefetch then gathers units that do not run).
+Advice speaks only where acting on it would matter (see docs/monitoring.md), each kind of advice at most
+once per run: when an all-gather or reduce-scatter runs below ``utilization_threshold`` (default 0.7) of
+peak *and* the compute waited for it (its exposed time, averaged over ranks) at least
+``exposed_threshold`` (default 5%) of the interval's wall time *and* the settings it names can still
+change something for this model (some unit is not bucketed yet, or the prefetch window does not hold
+every unit); when a kind's utilization, averaged over
+ranks, exceeds 1 (the mean over ranks, not one rank's figure: the rank that arrives last at a collective
+waits least for it, and can beat a true peak) under the same exposed-time condition; and when the trace
+changed in most steps of an interval (prefetch then gathers units that do not run).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import lightning.pytorch as pl
@@ -61,22 +67,34 @@ class CommMonitor(Zero3Monitor):
             all-gather or reduce-scatter reaches less than this fraction of its measured peak busbw.
         peak_repeats: Timed calls per message size when measuring the peak bandwidth (after two
             untimed ones); raise it when the monitor warns that the peak measurement is off.
+        exposed_threshold: Bandwidth advice is given only when the compute waited for that collective
+            kind at least this fraction of the interval's wall time (averaged over ranks): below it,
+            faster collectives would not make the step faster.
     """
 
     section = "comm"
 
     def __init__(
-        self, every_n_steps: Optional[int] = None, utilization_threshold: float = 0.7, peak_repeats: int = 5
+        self,
+        every_n_steps: Optional[int] = None,
+        utilization_threshold: float = 0.7,
+        peak_repeats: int = 5,
+        exposed_threshold: float = 0.05,
     ) -> None:
         super().__init__(every_n_steps)
         if not 0 < utilization_threshold <= 1:
             raise Zero3MonitorError(
                 f"CommMonitor: `utilization_threshold` must be in (0, 1], got {utilization_threshold!r}."
             )
+        if not 0 <= exposed_threshold <= 1:
+            raise Zero3MonitorError(
+                f"CommMonitor: `exposed_threshold` must be in [0, 1], got {exposed_threshold!r}."
+            )
         if peak_repeats < 1:
             raise Zero3MonitorError(f"CommMonitor: `peak_repeats` must be >= 1, got {peak_repeats!r}.")
         self.utilization_threshold = utilization_threshold
         self.peak_repeats = peak_repeats
+        self.exposed_threshold = exposed_threshold
         self._seen: dict = {}
         self._interval_steps = 0  # backward passes in the interval that ``figures`` last covered
 
@@ -97,6 +115,7 @@ class CommMonitor(Zero3Monitor):
             "sizes": sizes,
             "prefetch": (schedule.prefetch_hits, schedule.starts),
             "trace": (schedule.trace_changes, schedule.steps),
+            "clock": time.perf_counter(),
         }
 
     def figures(self, trainer: "pl.Trainer") -> Figures:
@@ -123,6 +142,7 @@ class CommMonitor(Zero3Monitor):
         figures["prefetch_hit_rate"] = hits / starts if starts else NAN
         changes, self._interval_steps = (a - b for a, b in zip(now["trace"], before.get("trace", (0, 0))))
         figures["trace_changes"] = float(changes)
+        figures["interval_seconds"] = now["clock"] - before.get("clock", now["clock"])
         return figures
 
     def _utilization(self, kind: str, now: dict, before: dict, peaks: dict) -> float:
@@ -153,16 +173,19 @@ class CommMonitor(Zero3Monitor):
             ))
         for kind, how in _HOW.items():
             utilization = mean.get(f"{kind}/utilization", NAN)
+            if not (self._exposed_enough(kind, mean) and self._knobs_can_help(kind)):
+                continue
             if math.isfinite(utilization) and utilization < self.utilization_threshold:
                 advice.append((
                     f"{kind}_utilization",
                     f"{kind} ran at {utilization:.0%} of the peak bus bandwidth measured on this job's group for "
-                    f"its message sizes (threshold {self.utilization_threshold:.0%}), averaged over ranks: its "
-                    f"messages are waiting behind compute or each other, or are too small. To change: {how}.",
+                    f"its message sizes (threshold {self.utilization_threshold:.0%}), averaged over ranks, and the "
+                    f"compute waited for it {self._exposed_share(kind, mean):.0%} of the time: its messages are "
+                    f"waiting behind compute or each other, or are too small. To change: {how}.",
                 ))
         for kind in Communicator.KINDS:
             utilization = mean.get(f"{kind}/utilization", NAN)
-            if math.isfinite(utilization) and utilization > 1:
+            if math.isfinite(utilization) and utilization > 1 and self._exposed_enough(kind, mean):
                 advice.append((
                     f"{kind}_peak",
                     f"{kind} reached {utilization:.0%} of the peak bus bandwidth measured at start-up for its message "
@@ -172,6 +195,27 @@ class CommMonitor(Zero3Monitor):
                     f"(now {self.peak_repeats}) and start the job when nothing else runs on its machines.",
                 ))
         return advice
+
+    def _exposed_share(self, kind: str, mean: Figures) -> float:
+        wall = mean.get("interval_seconds", 0.0)
+        return mean.get(f"{kind}/exposed_seconds", 0.0) / wall if wall > 0 else 0.0
+
+    def _exposed_enough(self, kind: str, mean: Figures) -> bool:
+        """Whether the compute waited for ``kind`` long enough that a faster ``kind`` would shorten the step."""
+        return self._exposed_share(kind, mean) >= self.exposed_threshold
+
+    def _knobs_can_help(self, kind: str) -> bool:
+        """Whether the settings the advice names would change anything for this model: a larger
+        ``reduce_bucket_size`` matters only where some unit is not bucketed already, a larger
+        ``prefetch_bucket_size`` only where the window does not hold every unit already."""
+        try:
+            config, sizes = self.engine.config, [rt.group.numel for rt in self.engine.runtimes]
+        except AttributeError:  # an engine without that accounting: do not hold the advice back
+            return True
+        unbucketed = any(n >= config.reduce_bucket_size for n in sizes)
+        if kind == "reduce_scatter":
+            return unbucketed or not config.overlap_comm
+        return unbucketed or config.prefetch_bucket_size < sum(sizes)
 
     def layout(self) -> Layout:
         kinds = "(all_gather|reduce_scatter|all_reduce|broadcast)"

@@ -9,7 +9,12 @@ Tags (each with ``/mean`` and ``/max`` over the ranks), under ``zero3/memory/``:
     ``alloc_retries``, ``reserved_bytes``, ``allocated_bytes``; on the host ``heap_arena_bytes``,
     ``heap_free_bytes``, ``mmapped_bytes``, ``rss_bytes``, ``engine_share_of_rss``.
 
-Advice when the worst rank's fragmentation exceeds ``fragmentation_threshold`` (default 0.15).
+Advice (once per run) when the worst rank's fragmentation exceeds ``fragmentation_threshold`` (default
+0.15) *and* the wasted bytes matter: at least ``min_wasted_bytes`` (default 64 MiB) and at least
+``min_wasted_share`` (default 20%) of the rank's memory (RSS on the host, reserved bytes on CUDA). The
+wasted bytes are the heap's free bytes that are resident on the host (free pages
+returned to the kernel waste nothing) and the inactive split bytes on CUDA. A small model's
+heap can be 80% free and still waste only a few MB: nothing to act on (see docs/monitoring.md).
 """
 
 from __future__ import annotations
@@ -42,18 +47,34 @@ class MemoryMonitor(Zero3Monitor):
     Args:
         every_n_steps: Optimizer steps between logs; ``None``: the Trainer's ``log_every_n_steps``.
         fragmentation_threshold: Warn (once) and write advice to TensorBoard when the allocator's
-            fragmentation on some rank exceeds this fraction.
+            fragmentation on some rank exceeds this fraction ...
+        min_wasted_bytes: ... and the bytes it wastes are at least this many ...
+        min_wasted_share: ... and at least this fraction of the rank's memory (RSS on the host, the
+            allocator's reserved bytes on CUDA).
     """
 
     section = "memory"
 
-    def __init__(self, every_n_steps: Optional[int] = None, fragmentation_threshold: float = 0.15) -> None:
+    def __init__(
+        self,
+        every_n_steps: Optional[int] = None,
+        fragmentation_threshold: float = 0.15,
+        min_wasted_bytes: int = 64 * 2**20,
+        min_wasted_share: float = 0.20,
+    ) -> None:
         super().__init__(every_n_steps)
         if not 0 < fragmentation_threshold <= 1:
             raise Zero3MonitorError(
                 f"MemoryMonitor: `fragmentation_threshold` must be in (0, 1], got {fragmentation_threshold!r}."
             )
+        if min_wasted_bytes < 0 or not 0 <= min_wasted_share <= 1:
+            raise Zero3MonitorError(
+                f"MemoryMonitor: `min_wasted_bytes` must be >= 0 and `min_wasted_share` in [0, 1], got "
+                f"{min_wasted_bytes!r} and {min_wasted_share!r}."
+            )
         self.fragmentation_threshold = fragmentation_threshold
+        self.min_wasted_bytes = min_wasted_bytes
+        self.min_wasted_share = min_wasted_share
         self._retries_at_start: Optional[int] = None
 
     def start(self, trainer: "pl.Trainer") -> None:
@@ -72,11 +93,21 @@ class MemoryMonitor(Zero3Monitor):
         if not worst > self.fragmentation_threshold:
             return []
         where = "cuda" if self.engine.device.type == "cuda" else "cpu"
+        if where == "cuda":
+            held = maximum.get("reserved_bytes", 0.0)
+            wasted = worst * held  # inactive split bytes of the worst rank, about
+        else:
+            held = maximum.get("rss_bytes", 0.0)
+            # free heap bytes that are resident (pages zero3 returned to the kernel waste nothing)
+            wasted = maximum.get("heap_free_resident_bytes", maximum.get("heap_free_bytes", 0.0))
+        if wasted < self.min_wasted_bytes or (held > 0 and wasted < self.min_wasted_share * held):
+            return []  # a fragmented heap that wastes little: nothing worth acting on
         allocator = "CUDA caching allocator" if where == "cuda" else "host heap (glibc malloc)"
         return [(
             "fragmentation",
             f"{worst:.0%} of the {allocator} is free but unusable on the worst rank (threshold "
-            f"{self.fragmentation_threshold:.0%}): memory is reserved that no tensor can use. To change: {_HOW[where]}.",
+            f"{self.fragmentation_threshold:.0%}), {wasted / 2**20:.0f} MiB: memory is reserved that no tensor "
+            f"can use. To change: {_HOW[where]}.",
         )]
 
     def layout(self) -> Layout:

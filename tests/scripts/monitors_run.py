@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     pl.seed_everything(0)
     model, probe = ShardedInitGPT(), Probe()
-    monitors = [MemoryMonitor(every_n_steps=EVERY, fragmentation_threshold=0.001), CommMonitor(every_n_steps=EVERY)]
+    monitors = [MemoryMonitor(every_n_steps=EVERY, fragmentation_threshold=0.001, min_wasted_bytes=0, min_wasted_share=0), CommMonitor(every_n_steps=EVERY, exposed_threshold=0)]
     trainer = pl.Trainer(
         strategy=lightning_zero3.Zero3Strategy(persistence_threshold=1000),
         accelerator="cpu",
