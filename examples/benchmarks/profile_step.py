@@ -4,7 +4,7 @@ Question: Where does zero3's own host (Python) time go in a training step, per u
 
     python examples/benchmarks/profile_step.py                    # the benchmark GPT (8 x 448), 2 CPU ranks
     python examples/benchmarks/profile_step.py --n-layer 32 --n-embd 64 --n-head 4   # tiny layers: the step is overhead
-    python examples/benchmarks/profile_step.py --devices 1        # one process (see "One process" in the README)
+    python examples/benchmarks/profile_step.py --devices 1        # one process (see "One process" in docs/design.md)
     python examples/benchmarks/profile_step.py --zero3 prefetch_bucket_size=0 --steps 12   # the benchmark's options
     python examples/benchmarks/profile_step.py --top=15           # and the 15 functions that cost zero3 most
 

@@ -1,4 +1,4 @@
-"""ZeRO stage 3, Lightning-free. See ``engine.py`` for the entry point and ``../../README.md`` for the picture.
+"""ZeRO stage 3, Lightning-free. See ``engine.py`` for the entry point and ``docs/design.md`` for the picture.
 
 The folders are layers in the order data flows; each imports only those before it:
 

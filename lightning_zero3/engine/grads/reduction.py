@@ -313,7 +313,7 @@ def _accumulate(item: Packed, reduced: torch.Tensor, read: Callable[[], None] = 
     """Add ``reduced`` into the group's gradient shard; ``read()`` once nothing reads ``reduced`` any more."""
     group = item.group
     grads = reduced[: group.shard_numel]
-    if group.store is not None:  # offload: the gradient shard lives with the master (see README, DDP differences)
+    if group.store is not None:  # offload: the gradient shard lives with the master (see docs/troubleshooting.md, DDP differences)
         if item.divide_after:
             grads.div_(group.comm.world_size)
         group.store.accumulate(grads, read)

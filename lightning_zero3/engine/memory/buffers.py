@@ -384,7 +384,7 @@ def map_large_temporaries() -> None:
     is freed; smaller ones use the heap as before. The setting is process-wide: the user's own large host
     tensors are mapped too (they fault fresh pages in on first use instead of reusing heap pages). That
     costs compute time where activations are large: the benchmark GPT (activations of 4-7 MB) stepped at
-    1.30x DDP's time with it against 1.22x without, in one session. So only engines that offload to host
+    1.30x DDP's time with it against 1.22x without, in one measurement. So only engines that offload to host
     memory or NVMe (the runs sized by their host memory) set it; others keep glibc's default."""
     if _LIBC is None or not hasattr(_LIBC, "mallopt") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return

@@ -446,7 +446,7 @@ class FlatGroup:
 
     def _set_slot_views(self) -> None:
         """What the hot path reads per unit instead of asking each parameter again: the trainable slots
-        (``requires_grad`` is fixed once training starts, see README "Known differences from DDP"; asking
+        (``requires_grad`` is fixed once training starts, see docs/troubleshooting.md, "Known differences from DDP"; asking
         a released parameter is a Python ``__torch_function__`` call) and the class of each parameter."""
         self._trainable_index = [i for i, slot in enumerate(self.slots) if slot.param.requires_grad]
         self.trainable_slots: list[ParamSlot] = [self.slots[i] for i in self._trainable_index]
