@@ -383,7 +383,7 @@ def _check_offload(config: "Zero3Config") -> None:
         elif value not in OFFLOAD_DEVICES and value != "auto":
             raise Zero3ConfigError(
                 f"zero3: `{name}={value!r}` is not an offload target; use None (stay on the training device), "
-                '"cpu", "nvme" or "auto" (the lightest that fits `memory_budget`).'
+                '"cpu" or "nvme", or "auto" (the lightest plan that fits `memory_budget`).'
             )
     try:
         budget = parse_budget(config.memory_budget) if config.memory_budget is not None else "auto"
