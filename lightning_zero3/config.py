@@ -166,13 +166,23 @@ class Zero3Config:
     """Where the fp32 master shards and the optimizer state live: ``None`` (the training device),
     ``"cpu"`` (host memory; the optimizer steps on the host) or ``"nvme"`` (files under ``nvme_path``,
     streamed through host buffers one group at a time; gradient shards wait there too between backward
-    and the step). DeepSpeed: ``offload_optimizer.device``."""
+    and the step); ``"auto"``: the lightest plan that fits ``memory_budget``, chosen at setup from the
+    estimate (see ``docs/will-it-fit.md``). DeepSpeed: ``offload_optimizer.device``."""
 
     offload_params: Optional[str] = None
     """Where parameter shards live between uses: ``None`` (the training device), ``"cpu"`` or ``"nvme"``.
     Needs ``offload_optimizer`` at the same tier or deeper (the optimizer steps the shards where it keeps
     them): ``"cpu"`` goes with ``offload_optimizer="cpu"`` or ``"nvme"``, ``"nvme"`` with ``"nvme"``.
-    DeepSpeed: ``offload_param.device``."""
+    ``"auto"``: chosen with the optimizer's tier to fit ``memory_budget``. DeepSpeed: ``offload_param.device``."""
+
+    memory_budget: Union[int, str, None] = None
+    """Bytes per rank that the automatic plan (an offload setting ``"auto"``) must fit: bytes or a string such
+    as ``"2GB"``; ``"auto"`` (or None): the device's free memory at setup less 10% (on CPU: the host's
+    available memory divided by this node's ranks). At setup the engine estimates each plan with what it
+    measures (this process's resident memory so far, the first step's activations on the meta device) and
+    takes the lightest that fits, sizing ``offload_buffer_count`` and prefetch to it; if none fits it fails
+    before any weight is placed, with the figures. On CPU the figure is the rank's whole resident memory.
+    Ignored when neither offload setting is ``"auto"``."""
 
     nvme_path: Optional[str] = None
     """Directory for NVMe swap files (required when either offload setting is ``"nvme"``; the registered
@@ -370,19 +380,44 @@ def _check_offload(config: "Zero3Config") -> None:
         value = getattr(config, name)
         if value in ("none", "device"):
             object.__setattr__(config, name, None)
-        elif value not in OFFLOAD_DEVICES:
+        elif value not in OFFLOAD_DEVICES and value != "auto":
             raise Zero3ConfigError(
                 f"zero3: `{name}={value!r}` is not an offload target; use None (stay on the training device), "
-                '"cpu" or "nvme".'
+                '"cpu" or "nvme", or "auto" (the lightest plan that fits `memory_budget`).'
             )
+    try:
+        budget = parse_budget(config.memory_budget) if config.memory_budget is not None else "auto"
+    except ValueError:
+        budget = -1
+    if budget != "auto" and (not isinstance(budget, int) or budget <= 0):
+        raise Zero3ConfigError(
+            f"zero3: `memory_budget={config.memory_budget!r}` is not a budget; give bytes per rank (an int > 0, or a "
+            'string such as "24GB" / "512MiB") or "auto" (free memory at setup less a margin).'
+        )
+    auto = "auto" in (config.offload_optimizer, config.offload_params)
+    if config.memory_budget is not None and not auto:
+        raise Zero3ConfigError(
+            f"zero3: `memory_budget={config.memory_budget!r}` is read only by the automatic plan; set "
+            'offload_optimizer="auto" (and offload_params="auto" to let parameters move too), or drop memory_budget.'
+        )
+    if auto and config.offload_optimizer != "auto" and config.offload_params == "auto" and config.offload_optimizer is None:
+        raise Zero3ConfigError(
+            'zero3: `offload_params="auto"` needs `offload_optimizer` "auto" (or "cpu" / "nvme"): parameters can '
+            "only leave the device with the optimizer; got offload_optimizer=None."
+        )
+    if auto and not config.nvme_path:
+        raise Zero3ConfigError(
+            'zero3: an "auto" offload plan may choose NVMe and needs `nvme_path`, a directory on a fast local disk '
+            'for the swap files; for example nvme_path="/local_nvme".'
+        )
     depth = {None: 0, "cpu": 1, "nvme": 2}
-    if depth[config.offload_params] > depth[config.offload_optimizer]:
+    if not auto and depth[config.offload_params] > depth[config.offload_optimizer]:
         raise Zero3ConfigError(
             f"zero3: `offload_params={config.offload_params!r}` needs `offload_optimizer` at the same tier or "
             f"deeper (the optimizer steps the shards where it keeps them), got `offload_optimizer="
             f"{config.offload_optimizer!r}`; set offload_optimizer={config.offload_params!r}."
         )
-    uses_nvme = "nvme" in (config.offload_optimizer, config.offload_params)
+    uses_nvme = "nvme" in (config.offload_optimizer, config.offload_params) and not auto
     if uses_nvme and not config.nvme_path:
         raise Zero3ConfigError(
             "zero3: offload to \"nvme\" needs `nvme_path`, a directory on a fast local disk for the swap "

@@ -431,6 +431,9 @@ def test_a_file_system_that_refuses_direct_reads_falls_back_to_the_cache(tmp_pat
         ({"offload_optimizer": "nvme"}, ["nvme_path"]),
         ({"offload_optimizer": "disk"}, ["offload_optimizer='disk'", '"cpu" or "nvme"']),
         ({"offload_buffer_count": 1}, ["offload_buffer_count", ">= 2"]),
+        ({"offload_optimizer": "auto", "nvme_path": "/tmp", "memory_budget": "lots"}, ["memory_budget='lots'", '"24GB"']),
+        ({"memory_budget": "2GB"}, ["read only by the automatic plan", 'offload_optimizer="auto"']),
+        ({"offload_optimizer": "auto"}, ["nvme_path"]),
     ],
 )
 def test_offload_settings_are_validated(knobs, words):

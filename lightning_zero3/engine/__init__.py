@@ -10,6 +10,7 @@ The folders are layers in the order data flows; each imports only those before i
     grads/     gradient arrival and reduction, clipping, the sharded optimizer -> ... shard
     schedule/  execution order, prefetch, the hooks, inference residency -> ... grads
     state/     optimizer state full <-> sharded, loading sources        -> ... grads
+    plan/      will it fit: per-rank bytes of each offload plan, the automatic plan -> memory, layout
 
 On top: ``engine.py`` (``Zero3Engine``, with its optimizer side in ``optimizers.py``) and ``scaler.py``.
 """

@@ -15,6 +15,7 @@ memory or in swap files (``offload/``); ``engine.states_in_memory()`` makes them
 
 from __future__ import annotations
 
+import os
 import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional
@@ -45,6 +46,7 @@ from .memory.buffers import (
 )
 from .offload import Offload, PipelinedStep, restore_flags
 from .optimizers import OptimizerSide
+from .plan.resolve import resolve_auto
 from .schedule.hooks import HookManager
 from .schedule.prefetch import Schedule
 from .schedule.residency import Residency
@@ -129,6 +131,14 @@ class Zero3Engine(OptimizerSide):
         if device is None and meta:
             raise ValueError("zero3: the model is on the meta device; pass `device=` to build its shards on.")
         self.device = device or (first.device if first is not None else torch.device("cpu"))
+        self.plan_choice: Optional[str] = None  # why the automatic offload plan was taken (plan/resolve.py)
+        if "auto" in (self.config.offload_optimizer, self.config.offload_params):
+            master = first.element_size() if first is not None else 4
+            compute = torch.tensor([], dtype=dtypes.compute).element_size() if dtypes.compute else master
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or self.comm.world_size
+            self.config, _, self.plan_choice = resolve_auto(
+                module, self.config, self.comm.world_size, local, self.device, master, compute
+            )  # before any weight is placed: nothing to undo if no plan fits
         # a run sized by its host memory: its states are offloaded to host memory or NVMe of a CPU run
         self.host_sized = self.device.type == "cpu" and self.config.offload_optimizer is not None
         if self.host_sized:

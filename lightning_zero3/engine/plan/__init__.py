@@ -1,0 +1,26 @@
+"""Will it fit: per-rank memory of each offload plan, estimated before any weight is placed, and the
+choice of a plan under a memory budget. Imports ``memory`` and ``layout`` only (units come from
+``layout/units.py``, so the estimate counts the very units the engine will build).
+
+    facts.py      what the estimate needs to know of a model: units, persistent and trainable elements,
+                  activations measured on the meta device
+    estimate.py   the figures of each plan, per rank and per node
+    choose.py     the lightest plan that fits a budget, sized to it; the error when none does
+"""
+
+from .choose import NothingFitsError, choose_plan
+from .estimate import PLANS, Job, PlanEstimate, estimate_plans
+from .facts import Activations, ModelFacts, measure_activations, model_facts
+
+__all__ = [
+    "PLANS",
+    "Activations",
+    "Job",
+    "ModelFacts",
+    "NothingFitsError",
+    "PlanEstimate",
+    "choose_plan",
+    "estimate_plans",
+    "measure_activations",
+    "model_facts",
+]
