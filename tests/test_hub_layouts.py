@@ -15,7 +15,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.conversion_mapping")
 
-from lightning_zero3 import CheckpointMismatchError, Zero3Config, Zero3Engine, load_pretrained  # noqa: E402
+from lightning_zero3 import CheckpointMismatchError, Zero3Config, Zero3Engine, load_pretrained, save_full_weights  # noqa: E402
 from lightning_zero3.pretrained import tensor_files  # noqa: E402
 
 T = transformers
@@ -57,6 +57,7 @@ def hub(tmp_path_factory) -> dict[str, Path]:
     for kind in FAMILIES:
         torch.manual_seed(0)
         tiny_model(kind).to(torch.bfloat16).save_pretrained(root / kind, max_shard_size="40KB")
+        (root / kind / "tokenizer_config.json").write_text('{"model_max_length": 32, "padding_side": "right"}\n')
         out[kind] = root / kind
     return out
 
@@ -66,7 +67,7 @@ def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def _families_case(rank: int, world: int, paths: dict) -> dict:
+def _families_case(rank: int, world: int, paths: dict, exports: str) -> dict:
     out = {}
     for kind, path in paths.items():
         config = T.AutoConfig.from_pretrained(path)
@@ -106,6 +107,10 @@ def _families_case(rank: int, world: int, paths: dict) -> dict:
                 pair.append(float(loss))
             losses.append(pair)
         out[f"{kind}-losses"] = losses
+        save_full_weights(model, Path(exports) / kind, fmt="hf")  # the checkpoint's own layout back
+        if rank == 0:
+            whole.save_pretrained(Path(exports) / f"{kind}-save_pretrained")
+        out[f"{kind}-trained"] = {k: v.clone() for k, v in engine.full_state_dict().items()}
         engine.close()
     return out
 
@@ -119,12 +124,14 @@ def _file_tensors(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(hub):
-    return run_ranks(_families_case, 2, hub)
+def trained(hub, tmp_path_factory):
+    exports = tmp_path_factory.mktemp("exports")
+    return {"ranks": run_ranks(_families_case, 2, hub, str(exports)), "exports": exports}
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_a_hub_checkpoint_loads_sliced_and_trains_with_ddps_losses(kind, trained):
+    trained = trained["ranks"]
     for rank, result in enumerate(trained):
         assert result[f"{kind}-differ"] == [], (rank, result[f"{kind}-differ"][:5])
         for ddp, zero3 in result[f"{kind}-losses"]:
@@ -132,6 +139,32 @@ def test_a_hub_checkpoint_loads_sliced_and_trains_with_ddps_losses(kind, trained
         # each rank read its shards (plus the small persistent tensors every rank reads whole), never all
         assert result[f"{kind}-read"] < result[f"{kind}-total"]
     print(kind, [r[f"{kind}-losses"] for r in trained], [(r[f"{kind}-read"], r[f"{kind}-total"]) for r in trained])
+
+
+def _header(directory: Path) -> dict:
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    return shapes
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_export_is_the_checkpoints_own_layout_and_reloads_bitwise(kind, trained, hub):
+    """``save_full_weights(..., fmt="hf")`` writes what ``save_pretrained`` writes (names and shapes: per-expert
+    ``w1``/``w2``/``w3``, ``language_model.model.*``); ``from_pretrained`` reloads it bitwise; the source's
+    config and tokenizer files are copied verbatim."""
+    exported = trained["exports"] / kind
+    assert _header(exported) == _header(trained["exports"] / f"{kind}-save_pretrained")
+    for name in ("config.json", "tokenizer_config.json"):
+        assert (exported / name).read_bytes() == (hub[kind] / name).read_bytes(), name
+    auto = T.AutoModelForImageTextToText if kind.startswith("llava") else T.AutoModelForCausalLM
+    reloaded = auto.from_pretrained(exported, dtype=torch.float32).state_dict()
+    expected = trained["ranks"][0][f"{kind}-trained"]
+    assert sorted(reloaded) == sorted(expected)
+    assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
 
 
 def test_a_missing_expert_and_an_unsliceable_rule_fail_before_any_weight_changes(hub, tmp_path, monkeypatch):
