@@ -14,6 +14,7 @@ so the jobs need no download: ``prepare_data`` writes it where ``checkpoint`` po
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import uuid
@@ -64,9 +65,17 @@ def make_pretrained(directory: str, shape: TinyLlama, seed: int = 0) -> Path:
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**asdict(shape))).to(torch.bfloat16)
     staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
+        try:
+            from examples.finetune_assets import train_tokenizer
+        except ImportError:  # run with examples/ itself on the path
+            from finetune_assets import train_tokenizer
+
+        tokenizer = train_tokenizer(staging)  # a real subword tokenizer, trained here (no download)
+        config = LlamaConfig(**{**asdict(shape), "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                                "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})  # fmt: skip
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(staging)
         os.replace(staging, out)
     finally:
@@ -83,7 +92,11 @@ class CausalLMFineTune(pl.LightningModule):
         lr: AdamW's learning rate.
         weight_decay: AdamW's weight decay.
         export_dir: Where the fine-tuned model is written when ``fit`` ends (None: not exported).
-        make_checkpoint: Write a small random Llama of this shape at ``checkpoint`` if none is there.
+        make_checkpoint: Write a small random Llama of this shape at ``checkpoint`` if none is there (with a
+            subword tokenizer trained locally: ``finetune_assets.py``).
+        warmup_steps: Steps of linear warmup before the cosine decay (with ``max_steps`` set; 0: constant lr).
+        activation_checkpointing: Recompute each block's activations in the backward pass
+            (``gradient_checkpointing_enable``, non-reentrant): less memory, about a third more compute.
     """
 
     def __init__(
@@ -94,11 +107,14 @@ class CausalLMFineTune(pl.LightningModule):
         weight_decay: float = 0.0,
         export_dir: Optional[str] = None,
         make_checkpoint: Optional[TinyLlama] = None,
+        warmup_steps: int = 0,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.checkpoint, self.lora, self.export_dir = checkpoint, lora, export_dir
         self.lr, self.weight_decay = lr, weight_decay
         self.make_checkpoint = make_checkpoint
+        self.warmup_steps, self.activation_checkpointing = warmup_steps, activation_checkpointing
         self.model = None
         self.step_losses: list[float] = []  # this rank's loss of every training step
         self.first_batch: Optional[tuple] = None  # the first training batch this rank saw (for comparisons)
@@ -117,6 +133,8 @@ class CausalLMFineTune(pl.LightningModule):
         config = AutoConfig.from_pretrained(self.checkpoint)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model = lightning_zero3.load_pretrained(model, self.checkpoint)
+        if self.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora is not None:
             from peft import LoraConfig, get_peft_model
 
@@ -134,20 +152,40 @@ class CausalLMFineTune(pl.LightningModule):
         logits = self(ids)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
+    def batch_loss(self, batch) -> torch.Tensor:
+        """A jsonl batch (``input_ids``, ``attention_mask``, ``labels`` with -100 where not trained:
+        ``sft_data.py``), or (ids, targets) windows of plain tokens."""
+        if isinstance(batch, dict):
+            return self.model(**batch).loss
+        return self.loss(*batch[:2])
+
     def training_step(self, batch, batch_idx):
-        if self.first_batch is None:
+        if self.first_batch is None and not isinstance(batch, dict):
             self.first_batch = tuple(t.detach().cpu() for t in batch[:2])
-        loss = self.loss(*batch[:2])
+        loss = self.batch_loss(batch)
         self.step_losses.append(loss.item())
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(*batch[:2]), sync_dist=True)
+        self.log("val_loss", self.batch_loss(batch), sync_dist=True)
 
     def configure_optimizers(self):
         trainable = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay)
+        optimizer = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay)
+        if self.warmup_steps <= 0:
+            return optimizer
+        total = max(self.trainer.max_steps, self.warmup_steps + 1)
+        warmup, total_steps = self.warmup_steps, total
+
+        def factor(step: int) -> float:  # linear warmup, then cosine down to 10% of lr
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_fit_end(self) -> None:
         if self.export_dir is None:

@@ -198,8 +198,10 @@ def _broken(kind: str, checkpoints: dict, tmp: Path) -> tuple[Path, dict]:
         return tmp / "extra.pt", {}
     if kind == "shapes":
         return _save(tmp / "wider", seed=0, hidden_size=48, num_attention_heads=4), {}
-    if kind == "prefix":
-        return checkpoints["root"] / "lightning.ckpt", {}
+    if kind == "prefix":  # (``model.`` itself would load: it is the Llama's base_model_prefix, which transformers strips)
+        state = torch.load(checkpoints["root"] / "lightning.ckpt", weights_only=True)["state_dict"]
+        torch.save({"state_dict": {f"net.{k[len('model.'):]}": v for k, v in state.items()}}, tmp / "net.ckpt")
+        return tmp / "net.ckpt", {}
     if kind == "corrupt torch file":
         torch.save({"w": torch.zeros(10)}, tmp / "model.pt")
         (tmp / "model.pt").write_bytes((tmp / "model.pt").read_bytes()[:200])
@@ -217,7 +219,7 @@ BAD_INPUTS = {
     "missing keys": (CheckpointMismatchError, r"1 missing from the checkpoint: \['model\.layers\.1\.mlp\.up_proj\.weight'\]"),
     "unexpected keys": (CheckpointMismatchError, r"1 in the checkpoint but not in the model: \['model\.layers\.0\.extra\.weight'\]"),
     "shapes": (CheckpointMismatchError, r"shapes that differ: \['model\.embed_tokens\.weight: checkpoint \[64, 48\], model \[64, 32\]'"),
-    "prefix": (CheckpointMismatchError, r"names start with 'model\.', which the model's do not: pass `prefix='model\.'`"),
+    "prefix": (CheckpointMismatchError, r"names start with 'net\.', which the model's do not: pass `prefix='net\.'`"),
     "corrupt torch file": (CheckpointError, r"cannot read .*model\.pt as a torch state dict"),
 }
 

@@ -23,7 +23,7 @@ from ..engine import Zero3Engine
 from ..engine.comm.collective_log import EXPORT_FIX, collective, in_phase
 from ..engine.engine import owning_engine
 from .adapters import LoraMerge, adapter_values, lora_merge, merged
-from .hf import DEFAULT_MAX_SHARD, find_hf_model, hf_configuration, write_hf_directory
+from .hf import DEFAULT_MAX_SHARD, find_hf_model, hf_configuration, source_directory, to_hub_layout, write_hf_directory
 from .writers import TensorEntry, write_safetensors, write_torch
 
 FORMATS = ("pt", "safetensors", "hf")
@@ -38,7 +38,8 @@ def save_full_weights(
 
     ``fmt``: ``"pt"`` (``torch.save`` format), ``"safetensors"``, or ``"hf"``: a Hugging Face model
     directory for a module that wraps a ``transformers`` model (``config.json`` and safetensors files,
-    split above ``max_shard_size``; see ``hf.py``); by default from the suffix (a path without one is a
+    split above ``max_shard_size``, in the checkpoint's Hub layout, with the source directory's config and
+    tokenizer files copied; see ``hf.py``); by default from the suffix (a path without one is a
     Hugging Face directory when the module wraps such a model). ``prefix``: keep only the names that start
     with it, without it (``prefix="model."`` turns a LightningModule's ``model.wte.weight`` into
     ``wte.weight``; for ``"hf"`` the wrapped model's own names are the default). ``merge_adapters``
@@ -69,7 +70,8 @@ def save_full_weights(
     try:
         if writing and fmt == "hf":
             assert hf is not None
-            write_hf_directory(path, entries, values, hf_configuration(hf[1]), max_shard_size)
+            entries, values = to_hub_layout(hf[1], entries, values)
+            write_hf_directory(path, entries, values, hf_configuration(hf[1]), max_shard_size, source_directory(hf[1]))
         elif writing:
             path.parent.mkdir(parents=True, exist_ok=True)
             writer = write_safetensors if fmt == "safetensors" else write_torch

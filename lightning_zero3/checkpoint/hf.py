@@ -10,6 +10,13 @@ its file. Tensors are written one at a time as they arrive (gathered unit by uni
 from a sharded checkpoint), so no process holds the model. A tied weight is stored under each of its
 names (safetensors has no aliases; ``from_pretrained`` takes either).
 
+The weights are written in the checkpoint's own Hub layout, as ``save_pretrained`` writes them: transformers'
+conversion rules reversed (``to_hub_layout``: Mixtral's fused ``experts.gate_up_proj`` back to one ``w1`` /
+``w3`` per expert, LLaVA's ``model.language_model.*`` back to ``language_model.model.*``). When the model
+came from a local directory (``config._name_or_path``), its ``config.json``, ``generation_config.json``
+and tokenizer / processor files are copied verbatim (re-saving them with transformers 5 rewrites fields
+older serving stacks misread), so a serving engine loads the export as it loads the original.
+
 Sharded checkpoints of such a module carry its configuration (``hf_config.json``), so
 ``zero3-consolidate CKPT OUT --format hf`` needs nothing else.
 """
@@ -59,6 +66,52 @@ def hf_configuration(model: nn.Module) -> dict[str, Any]:
     return saved
 
 
+SOURCE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "preprocessor_config.json", "processor_config.json",
+)  # fmt: skip
+
+
+def source_directory(model: nn.Module) -> Optional[Path]:
+    """The local directory ``model`` was loaded from (``from_pretrained`` / ``AutoConfig.from_pretrained``), if any."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    path = Path(name) if name else None
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def to_hub_layout(
+    model: nn.Module, entries: list[TensorEntry], values: Iterator[torch.Tensor]
+) -> tuple[list[TensorEntry], Iterator[torch.Tensor]]:
+    """``entries`` / ``values`` under the model's names turned into its Hub checkpoint's, by transformers' rules
+    reversed (``revert_weight_conversion``, what ``save_pretrained`` does), one tensor at a time: the names and
+    shapes first (worked out on meta tensors), then each value split as it arrives."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.5x: save_pretrained writes the model's own names
+        return entries, values
+    out: list[TensorEntry] = []
+    split: list[bool] = []
+    for entry in entries:
+        meta = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        reverted = revert_weight_conversion(model, {name: meta for name in entry.names})
+        if len(reverted) == len(entry.names) and all(list(v.shape) == list(entry.shape) for v in reverted.values()):
+            out.append(TensorEntry(list(reverted), entry.shape, entry.dtype))  # renamed only
+            split.append(False)
+        else:  # one fused tensor into several (one name: aliases of a fused tensor do not occur)
+            out.extend(TensorEntry([name], list(v.shape), entry.dtype) for name, v in reverted.items())
+            split.append(True)
+
+    def pieces() -> Iterator[torch.Tensor]:
+        for entry, value, fused in zip(entries, values, split):
+            if not fused:
+                yield value
+                continue
+            yield from (v.contiguous() for v in revert_weight_conversion(model, {entry.names[0]: value}).values())
+
+    return out, pieces()
+
+
 def parse_size(size: Union[int, str]) -> int:
     """Bytes from an int or a string such as ``"5GB"``, ``"500MiB"``, ``"2e9"``."""
     if isinstance(size, int):
@@ -74,9 +127,10 @@ def parse_size(size: Union[int, str]) -> int:
 
 def write_hf_directory(
     out: Path, entries: list[TensorEntry], values: Iterator[torch.Tensor], configuration: dict[str, Any],
-    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD, source: Optional[Path] = None,
 ) -> Path:
-    """Write a Hugging Face directory at ``out`` (replacing one that is there, atomically)."""
+    """Write a Hugging Face directory at ``out`` (replacing one that is there, atomically); ``source``: the
+    checkpoint directory whose config, generation config and tokenizer files are copied verbatim."""
     limit = parse_size(max_shard_size)
     shards: list[list[TensorEntry]] = [[]]
     size = 0
@@ -102,6 +156,9 @@ def write_hf_directory(
         (staging / "config.json").write_text(json.dumps(configuration["config"], indent=2))
         if "generation_config" in configuration:
             (staging / "generation_config.json").write_text(json.dumps(configuration["generation_config"], indent=2))
+        for name in SOURCE_FILES if source is not None else ():
+            if (source / name).is_file():
+                shutil.copyfile(source / name, staging / name)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         os.replace(staging, out)

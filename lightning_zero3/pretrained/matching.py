@@ -7,6 +7,9 @@ old -> new names, or a function returning the new name or None to skip it). The 
 (tied weights: ``lm_head.weight`` is ``model.embed_tokens.weight``) is satisfied by any of them, as a
 Hugging Face checkpoint stores it once.
 
+A Hugging Face model's Hub names and fused tensors are then turned into its own by transformers' rules
+(``conversions.py``), after ``prefix`` and ``key_map``.
+
 Under ``strict`` every model tensor must be found and every kept checkpoint name must be the model's;
 a shape that differs is an error either way (a checkpoint of another model). A Hugging Face model's own
 lists of names to ignore on load (``_keys_to_ignore_on_load_missing`` / ``_unexpected``) are honoured,
@@ -23,6 +26,7 @@ from torch import nn
 
 from ..checkpoint.sharded import CheckpointMismatchError
 from ..engine.layout.sources import PendingValues
+from .conversions import to_model_names
 
 KeyMap = Optional[Union[Mapping[str, str], Callable[[str], Optional[str]]]]
 SHOWN = 8  # names listed per kind of problem in an error
@@ -64,16 +68,20 @@ def match(module: nn.Module, tensors: Mapping[str, Any], prefix: str = "", key_m
     ignore_missing, ignore_unexpected = _hugging_face_ignores(module)
     found: dict[tuple, Any] = {}
     unexpected, mismatched = [], []
+    renamed: dict[str, Any] = {}
     for stored, source in tensors.items():
         if not stored.startswith(prefix):
             continue
         name = _rename(stored[len(prefix) :], key_map)
-        if name is None:
-            continue
+        if name is not None:
+            renamed[name] = source
+    if not adapter:  # the Hub layout into the model's (transformers' own rules; conversions.py)
+        renamed = to_model_names(module, renamed, names)
+    for name, source in renamed.items():
         key = names.get(name)
         if key is None:
             if not any(p.search(name) for p in ignore_unexpected):
-                unexpected.append(stored)
+                unexpected.append(name)
             continue
         if tuple(source.shape) != tuple(shapes[key]):
             mismatched.append(f"{name}: checkpoint {list(source.shape)}, model {list(shapes[key])}")

@@ -1,0 +1,200 @@
+"""Hub checkpoints whose names or layout differ from the model's (LLaVA / LLaVA-Next renames, Mixtral and
+Qwen2-MoE per-expert tensors fused into ``experts.gate_up_proj``): ``load_pretrained`` applies transformers'
+own rules, each rank still reading only its own byte ranges, and trains with DDP's losses; a rule it cannot
+read by range, or a missing expert, fails before any weight changes, naming the tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.conversion_mapping")
+
+from lightning_zero3 import CheckpointMismatchError, Zero3Config, Zero3Engine, load_pretrained, save_full_weights  # noqa: E402
+from lightning_zero3.pretrained import tensor_files  # noqa: E402
+
+T = transformers
+IDS = (torch.arange(24).reshape(2, 12) * 7) % 60
+SMALL_UNITS = Zero3Config(persistence_threshold=100, tune_collectives=False)
+STEPS = 3
+
+
+def tiny_model(kind: str) -> nn.Module:
+    """A tiny model of the family, as ``save_pretrained`` would write it for a Hub checkpoint."""
+    if kind == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32))  # fmt: skip
+    if kind == "qwen2_moe":
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+            shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts_per_tok=2, max_position_embeddings=32))  # fmt: skip
+    vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=8, projection_dim=32)  # fmt: skip
+    text = T.LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    if kind == "llava":
+        return T.LlavaForConditionalGeneration(T.LlavaConfig(vision_config=vision, text_config=text, image_token_index=79))
+    if kind == "llava_next":
+        return T.LlavaNextForConditionalGeneration(T.LlavaNextConfig(
+            vision_config=vision, text_config=text, image_token_index=79, image_grid_pinpoints=[[32, 32], [32, 64]]))  # fmt: skip
+    raise ValueError(kind)
+
+
+FAMILIES = ("mixtral", "qwen2_moe", "llava", "llava_next")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hub")
+    out = {}
+    for kind in FAMILIES:
+        torch.manual_seed(0)
+        tiny_model(kind).to(torch.bfloat16).save_pretrained(root / kind, max_shard_size="40KB")
+        (root / kind / "tokenizer_config.json").write_text('{"model_max_length": 32, "padding_side": "right"}\n')
+        out[kind] = root / kind
+    return out
+
+
+def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    ids = (IDS + 3 * rank + 5 * step) % 60
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _families_case(rank: int, world: int, paths: dict, exports: str) -> dict:
+    out = {}
+    for kind, path in paths.items():
+        config = T.AutoConfig.from_pretrained(path)
+        reference = T.AutoModelForImageTextToText if kind.startswith("llava") else T.AutoModelForCausalLM
+        whole = reference.from_pretrained(path, dtype=torch.float32)
+        with torch.device("meta"):
+            model = reference.from_config(config, dtype=torch.float32)
+        read = []
+        original = tensor_files.FileTensor.read
+
+        def counting(self, start, out_, _read=read, _original=original):
+            _read.append(out_.numel() * self.dtype.itemsize)
+            return _original(self, start, out_)
+
+        tensor_files.FileTensor.read = counting
+        try:
+            load_pretrained(model, path)
+            engine = Zero3Engine(model, SMALL_UNITS, device=torch.device("cpu"))
+        finally:
+            tensor_files.FileTensor.read = original
+        full = engine.full_state_dict()
+        expected = whole.state_dict()
+        out[f"{kind}-differ"] = [k for k in expected if not torch.equal(full[k], expected[k])]
+        out[f"{kind}-read"] = sum(read)
+        out[f"{kind}-total"] = sum(v.shape.numel() * 2 for v in _file_tensors(path).values())
+        ddp = nn.parallel.DistributedDataParallel(whole, find_unused_parameters=True)
+        optimizers = [torch.optim.AdamW(ddp.parameters(), lr=1e-3),
+                      engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))]  # fmt: skip
+        losses = []
+        for step in range(STEPS):
+            pair = []
+            for net, optimizer in zip((ddp, model), optimizers):
+                loss = _loss(net, rank, step)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                pair.append(float(loss))
+            losses.append(pair)
+        out[f"{kind}-losses"] = losses
+        save_full_weights(model, Path(exports) / kind, fmt="hf")  # the checkpoint's own layout back
+        if rank == 0:
+            whole.save_pretrained(Path(exports) / f"{kind}-save_pretrained")
+        out[f"{kind}-trained"] = {k: v.clone() for k, v in engine.full_state_dict().items()}
+        engine.close()
+    return out
+
+
+def _file_tensors(path: Path) -> dict:
+    checkpoint = tensor_files.open_checkpoint(path)
+    try:
+        return {name: source for name, source in checkpoint.tensors.items()}
+    finally:
+        checkpoint.close()
+
+
+@pytest.fixture(scope="module")
+def trained(hub, tmp_path_factory):
+    exports = tmp_path_factory.mktemp("exports")
+    return {"ranks": run_ranks(_families_case, 2, hub, str(exports)), "exports": exports}
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_hub_checkpoint_loads_sliced_and_trains_with_ddps_losses(kind, trained):
+    trained = trained["ranks"]
+    for rank, result in enumerate(trained):
+        assert result[f"{kind}-differ"] == [], (rank, result[f"{kind}-differ"][:5])
+        for ddp, zero3 in result[f"{kind}-losses"]:
+            assert zero3 == pytest.approx(ddp, rel=1e-6)
+        # each rank read its shards (plus the small persistent tensors every rank reads whole), never all
+        assert result[f"{kind}-read"] < result[f"{kind}-total"]
+    print(kind, [r[f"{kind}-losses"] for r in trained], [(r[f"{kind}-read"], r[f"{kind}-total"]) for r in trained])
+
+
+def _header(directory: Path) -> dict:
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    return shapes
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_export_is_the_checkpoints_own_layout_and_reloads_bitwise(kind, trained, hub):
+    """``save_full_weights(..., fmt="hf")`` writes what ``save_pretrained`` writes (names and shapes: per-expert
+    ``w1``/``w2``/``w3``, ``language_model.model.*``); ``from_pretrained`` reloads it bitwise; the source's
+    config and tokenizer files are copied verbatim."""
+    exported = trained["exports"] / kind
+    assert _header(exported) == _header(trained["exports"] / f"{kind}-save_pretrained")
+    for name in ("config.json", "tokenizer_config.json"):
+        assert (exported / name).read_bytes() == (hub[kind] / name).read_bytes(), name
+    auto = T.AutoModelForImageTextToText if kind.startswith("llava") else T.AutoModelForCausalLM
+    reloaded = auto.from_pretrained(exported, dtype=torch.float32).state_dict()
+    expected = trained["ranks"][0][f"{kind}-trained"]
+    assert sorted(reloaded) == sorted(expected)
+    assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
+
+
+def test_a_missing_expert_and_an_unsliceable_rule_fail_before_any_weight_changes(hub, tmp_path, monkeypatch):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source = hub["mixtral"]
+    state = {}
+    for file in sorted(source.glob("*.safetensors")):
+        state.update(load_file(file))
+    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    state["model.layers.1.block_sparse_moe.experts.7.w3.weight"] = state["model.layers.1.block_sparse_moe.experts.0.w3.weight"].clone()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    (broken / "config.json").write_text((source / "config.json").read_text())
+    torch.manual_seed(3)
+    model = tiny_model("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError, match=r"experts\.gate_up_proj.*indices \[0, 1, 3, 7\].*missing \[2"):
+        load_pretrained(model, broken)
+    from transformers.core_model_loading import Transpose, WeightConverter, WeightRenaming
+
+    rules = [WeightRenaming(".block_sparse_moe.", ".mlp."),
+             WeightConverter(".experts.*.w2.weight", ".experts.down_proj", operations=[Transpose(1, 2)])]  # fmt: skip
+    import transformers.conversion_mapping as conversion_mapping
+
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", lambda model: rules)
+    with pytest.raises(CheckpointMismatchError, match=r"down_proj.*Transpose.*cannot read by range"):
+        load_pretrained(model, source)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert json.loads((source / "config.json").read_text())["model_type"] == "mixtral"
