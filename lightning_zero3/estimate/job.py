@@ -50,7 +50,7 @@ def _precision_name(value) -> str:
 
 def from_yaml(path: str, overrides: list[str], batch_size: Optional[int], seq_len: Optional[int]) -> JobSpec:
     """The job that ``lightning-zero3 fit --config path [overrides]`` would run, its model on meta."""
-    from ..cli import build_cli
+    from ..cli_app import build_cli
 
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
