@@ -8,8 +8,18 @@ With ``lora`` set, peft's LoRA adapters wrap the model (the base frozen, the ada
 merged into the base weights for LoRA), and a LoRA run also saves peft's adapter files with peft's own
 ``save_pretrained`` (``export_dir/adapter``). The same module runs under DDP unchanged.
 
-``make_pretrained`` writes a small Llama-style checkpoint with ``save_pretrained`` (bf16, safetensors),
-so the jobs need no download: ``prepare_data`` writes it where ``checkpoint`` points if it is missing.
+``make_pretrained`` writes a small Llama-style checkpoint with ``save_pretrained`` (bf16, safetensors) and
+a subword tokenizer trained locally, so the jobs need no download: with no ``checkpoint`` given,
+``prepare_data`` writes it once at ``SAMPLE_CHECKPOINT``. A ``checkpoint`` that is given is read as it is
+and never written to.
+
+[Note: the loss over the global token count]
+A jsonl batch's loss is the mean over the response tokens of *every* rank's batch, not the mean of each
+rank's own mean: rows differ in length, so per-rank means would weigh a token on a rank with few trained
+tokens more than one on a rank with many (and a different world size would train a different objective).
+Each rank sums its tokens' losses, divides by the count all-reduced over the ranks (one small collective
+per step), and multiplies by the world size, because DDP and zero3 average the ranks' gradients: the
+gradient is then that of the global mean, and the mean of the logged per-rank values is the global loss.
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ import torch
 import torch.nn.functional as F
 
 import lightning_zero3
+
+#: where the small checkpoint is written when no ``checkpoint`` is given (relative to the working directory)
+SAMPLE_CHECKPOINT = "runs/pretrained/tiny-llama"
+IGNORE = -100  # labels of positions not trained (``sft_data.py``)
 
 
 @dataclass
@@ -87,13 +101,14 @@ class CausalLMFineTune(pl.LightningModule):
     """A Hugging Face causal language model, fine-tuned in full or with LoRA adapters.
 
     Args:
-        checkpoint: The pretrained model: a Hugging Face directory (``save_pretrained``'s).
+        checkpoint: The pretrained model: a Hugging Face directory (``save_pretrained``'s), used as it is. None:
+            a small Llama of ``make_checkpoint``'s shape, written once at ``SAMPLE_CHECKPOINT`` (no download).
         lora: LoRA adapters to train (None: fine-tune every weight).
         lr: AdamW's learning rate.
         weight_decay: AdamW's weight decay.
         export_dir: Where the fine-tuned model is written when ``fit`` ends (None: not exported).
-        make_checkpoint: Write a small random Llama of this shape at ``checkpoint`` if none is there (with a
-            subword tokenizer trained locally: ``finetune_assets.py``).
+        make_checkpoint: The shape of that small random Llama (with a subword tokenizer trained locally:
+            ``finetune_assets.py``); only used when no ``checkpoint`` is given.
         warmup_steps: Steps of linear warmup before the cosine decay (with ``max_steps`` set; 0: constant lr).
         activation_checkpointing: Recompute each block's activations in the backward pass
             (``gradient_checkpointing_enable``, non-reentrant): less memory, about a third more compute.
@@ -101,7 +116,7 @@ class CausalLMFineTune(pl.LightningModule):
 
     def __init__(
         self,
-        checkpoint: str,
+        checkpoint: Optional[str] = None,
         lora: Optional[LoraSettings] = None,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -111,17 +126,24 @@ class CausalLMFineTune(pl.LightningModule):
         activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
-        self.checkpoint, self.lora, self.export_dir = checkpoint, lora, export_dir
+        self.checkpoint = checkpoint if checkpoint is not None else SAMPLE_CHECKPOINT
+        self.lora, self.export_dir = lora, export_dir
         self.lr, self.weight_decay = lr, weight_decay
-        self.make_checkpoint = make_checkpoint
+        self.make_checkpoint = (make_checkpoint or TinyLlama()) if checkpoint is None else None
         self.warmup_steps, self.activation_checkpointing = warmup_steps, activation_checkpointing
         self.model = None
         self.step_losses: list[float] = []  # this rank's loss of every training step
-        self.first_batch: Optional[tuple] = None  # the first training batch this rank saw (for comparisons)
+        self.first_batch = None  # the first training batch this rank saw (for comparisons)
 
     def prepare_data(self) -> None:
         if self.make_checkpoint is not None:
             make_pretrained(self.checkpoint, self.make_checkpoint)
+        elif not (Path(self.checkpoint) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"CausalLMFineTune: {self.checkpoint} is not a Hugging Face checkpoint (no config.json there); "
+                "give the directory `save_pretrained` wrote, or leave `checkpoint` out to fine-tune the small "
+                "sample model written locally."
+            )
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -154,14 +176,21 @@ class CausalLMFineTune(pl.LightningModule):
 
     def batch_loss(self, batch) -> torch.Tensor:
         """A jsonl batch (``input_ids``, ``attention_mask``, ``labels`` with -100 where not trained:
-        ``sft_data.py``), or (ids, targets) windows of plain tokens."""
-        if isinstance(batch, dict):
-            return self.model(**batch).loss
-        return self.loss(*batch[:2])
+        ``sft_data.py``), its loss over the trained tokens of all ranks (see [Note: the loss over the global
+        token count]); or (ids, targets) windows of plain tokens."""
+        if not isinstance(batch, dict):
+            return self.loss(*batch[:2])
+        trained = (batch["labels"][:, 1:] != IGNORE).sum()  # the model predicts position t+1 from t
+        world = self.trainer.world_size
+        if world > 1:
+            trained = self.trainer.strategy.reduce(trained, reduce_op="sum")
+        # transformers' causal-LM loss sums over the tokens and divides by ``num_items_in_batch``
+        return self.model(**batch, num_items_in_batch=trained.clamp(min=1)).loss * world
 
     def training_step(self, batch, batch_idx):
-        if self.first_batch is None and not isinstance(batch, dict):
-            self.first_batch = tuple(t.detach().cpu() for t in batch[:2])
+        if self.first_batch is None:
+            self.first_batch = {k: v.detach().cpu() for k, v in batch.items()} if isinstance(batch, dict) else \
+                tuple(t.detach().cpu() for t in batch[:2])  # fmt: skip
         loss = self.batch_loss(batch)
         self.step_losses.append(loss.item())
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)

@@ -12,19 +12,32 @@ Labels follow the field's convention: positions not trained are -100 (the prompt
 right-padded to the longest in the batch with the tokenizer's pad token (its EOS when it has none), with
 an attention mask of 0 there; rows longer than ``max_length`` are cut. A bad row fails with the file, the
 line number and what is wrong, before anything trains. The last ``val_fraction`` of the rows (at least
-one) is the validation split.
+one) is the validation split. With no ``path`` given, a small sample file is written (once) at
+``SAMPLE_DATA`` and trained on; a ``path`` that is given must exist and is only read.
+
+[Note: resuming mid-epoch]
+The training rows are shuffled per epoch as Lightning's own distributed sampler shuffles them (the
+``seed_everything`` seed plus the epoch, so every rank agrees), by a sampler made here rather than
+injected by Lightning, so that on ``--ckpt_path`` it can start after the batches the checkpoint already
+trained on. Lightning restores its loops before it asks for the dataloader, so the number of batches this
+epoch has processed (``batch_progress.current.processed``, whether the checkpoint was written after a
+batch or after validation) is known there; the loader's ``state_dict`` interface only tells Lightning that
+it resumes (a loader without it makes Lightning warn, and replay the epoch from its first batch).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
+#: where the sample rows are written when no ``path`` is given (relative to the working directory)
+SAMPLE_DATA = "runs/data/sample.jsonl"
 IGNORE = -100
 ALPACA_PROMPT = "Below is an instruction that describes a task. Write a response that completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n"  # fmt: skip
 
@@ -118,38 +131,76 @@ def collate(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, t
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class ResumingSampler(DistributedSampler):
+    """Lightning's distributed shuffle (``shuffle=True``, the global seed, reshuffled by ``set_epoch``) that
+    leaves out the first ``skip`` indices of the next epoch it serves: the rows a resumed run has already
+    trained on (see [Note: resuming mid-epoch]). Its length stays the epoch's, as Lightning counts it."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0  # the first epoch after a resume only
+        return iter(indices[skip:])
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that Lightning treats as resumable (``state_dict`` / ``load_state_dict``): it starts
+    after ``batches_done`` batches of the epoch, taken from the trainer's restored progress."""
+
+    def __init__(self, *args: Any, batches_done: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._batches_done = batches_done  # a callable: this epoch's processed batches
+
+    def state_dict(self) -> dict:
+        return {"batches_done": int(self._batches_done())}
+
+    def load_state_dict(self, state: dict) -> None:
+        done = state["batches_done"]
+        if 0 < done < len(self):  # a checkpoint at the epoch's end starts the next one whole
+            self.sampler.skip = done * self.batch_size
+
+
 class JsonlInstructions(pl.LightningDataModule):
     """A jsonl file of text, Alpaca or chat rows, tokenized by the checkpoint's ``AutoTokenizer``.
 
     Args:
-        path: The jsonl file.
+        path: The jsonl file (None: a small sample, written once at ``SAMPLE_DATA``).
         tokenizer: The tokenizer's directory (None: the model's ``checkpoint``).
         max_length: Tokens per row at most (longer rows are cut).
         batch_size: Rows per batch on each rank.
         val_fraction: The share of rows (the last ones, at least one) kept for validation.
-        make_sample: Write a small sample file at ``path`` first if there is none (no download).
     """
 
-    def __init__(self, path: str, tokenizer: Optional[str] = None, max_length: int = 512, batch_size: int = 4,
-                 val_fraction: float = 0.1, make_sample: bool = False) -> None:  # fmt: skip
+    def __init__(self, path: Optional[str] = None, tokenizer: Optional[str] = None, max_length: int = 512,
+                 batch_size: int = 4, val_fraction: float = 0.1) -> None:  # fmt: skip
         super().__init__()
-        self.path, self.tokenizer_dir, self.max_length = Path(path), tokenizer, max_length
-        self.batch_size, self.val_fraction, self.make_sample = batch_size, val_fraction, make_sample
+        self.sample = path is None
+        self.path = Path(path if path is not None else SAMPLE_DATA)
+        self.tokenizer_dir, self.max_length = tokenizer, max_length
+        self.batch_size, self.val_fraction = batch_size, val_fraction
         self.train: list = []
         self.val: list = []
 
     def prepare_data(self) -> None:
-        if self.make_sample and not self.path.is_file():
-            try:
-                from examples.finetune_assets import write_sample_data
-            except ImportError:  # run with examples/ itself on the path
-                from finetune_assets import write_sample_data
+        if not self.sample or self.path.is_file():
+            return
+        try:
+            from examples.finetune_assets import write_sample_data
+        except ImportError:  # run with examples/ itself on the path
+            from finetune_assets import write_sample_data
 
-            write_sample_data(self.path)
+        staging = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        write_sample_data(staging)
+        os.replace(staging, self.path)
 
     def setup(self, stage: str) -> None:
         from transformers import AutoTokenizer
 
+        if not self.path.is_file():
+            raise FileNotFoundError(f"JsonlInstructions: no data file at {self.path}")
         directory = self.tokenizer_dir or getattr(self.trainer.lightning_module, "checkpoint", None)
         tokenizer = AutoTokenizer.from_pretrained(directory)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -163,7 +214,14 @@ class JsonlInstructions(pl.LightningDataModule):
         self.train, self.val = examples[: len(examples) - held], examples[len(examples) - held :]
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, collate_fn=self._collate, drop_last=True)
+        trainer = self.trainer
+        sampler = ResumingSampler(self.train, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                  seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))  # fmt: skip
+        def batches_done() -> int:  # read when a checkpoint is written
+            return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+        return ResumableLoader(self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=self._collate,
+                               drop_last=True, batches_done=batches_done)  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=self.batch_size, collate_fn=self._collate)

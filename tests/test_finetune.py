@@ -1,5 +1,7 @@
 """Fine-tuning a pretrained Hugging Face model: the jobs of ``examples/configs/finetune_*.yaml`` through
-``lightning-zero3 fit`` under zero3 and DDP, from one bf16 checkpoint (``tests/scripts/finetune_run.py``)."""
+``lightning-zero3 fit`` under zero3 and DDP, from one bf16 checkpoint with its own subword tokenizer, on a
+jsonl file of instruction, chat and text rows; and an interrupted job resumed with ``--ckpt_path last``
+(``tests/scripts/finetune_run.py``, one spawned job for all)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def ranks(out):
 
 def test_the_first_loss_is_the_pretrained_models_own(ranks):
     """The model zero3 reads from the bf16 checkpoint into fp32 shards is the pretrained model: its first
-    training loss is what ``from_pretrained`` gives on that batch (LoRA's B starts at zero)."""
+    training loss is what ``from_pretrained`` gives on that batch (LoRA's B starts at zero), with the loss
+    summed over this rank's response tokens and divided by the count of all ranks' (times the world size)."""
     for result in ranks:
         for run in RUNS:
             first, pretrained = result[run]["losses"][0], result[run]["pretrained_loss"]
@@ -46,7 +49,7 @@ def test_zero3_losses_equal_ddps_from_the_same_weights(ranks):
     for result in ranks:
         for variant in ("full", "lora"):
             zero3, ddp = result[f"{variant}-zero3"]["losses"], result[f"{variant}-ddp"]["losses"]
-            assert len(zero3) == len(ddp) == 4
+            assert len(zero3) == len(ddp) == 6
             assert zero3 == pytest.approx(ddp, rel=1e-6, abs=0), variant
 
 
@@ -90,3 +93,19 @@ def test_exports_reload_with_from_pretrained_to_the_trained_weights_bitwise(out)
         assert torch.equal(merged[name], mine[name]), name
     start = load(out / "pretrained", dtype=torch.float32).state_dict()["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(mine["model.layers.0.self_attn.q_proj.weight"], start)  # the adapters were merged in
+
+
+def test_an_interrupted_job_resumed_with_ckpt_path_last_gives_the_uninterrupted_losses(ranks):
+    """Stopped after 3 of 6 steps (mid-epoch, warmup and cosine still under way), then the same command with
+    ``--ckpt_path last``: the 6 losses equal the uninterrupted run's bitwise, so the weights, AdamW's
+    moments, the LR schedule and the position in the shuffled data all resumed (the 6th step is in the
+    second epoch, reshuffled)."""
+    for result in ranks:
+        resume = result["resume"]
+        assert resume["checkpoints"] == ["last.ckpt"] and resume["global_step"] == 6
+        assert len(resume["interrupted"]) == 3
+        assert resume["interrupted"] + resume["resumed"] == result["full-zero3"]["losses"]
+
+
+def test_the_checkpoint_given_is_only_read(ranks):
+    assert all(result["checkpoint_unchanged"] for result in ranks)

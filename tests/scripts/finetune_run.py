@@ -1,58 +1,92 @@
-"""The fine-tuning jobs (``examples/configs/finetune_{full,lora}.yaml``) through ``lightning-zero3 fit``,
-under zero3 and under DDP, on 2 CPU processes; each rank writes ``OUT/rank<R>.json``.
+"""The fine-tuning jobs (``examples/configs/finetune_{full,lora}.yaml``) through ``lightning-zero3 fit`` on 2
+CPU processes, on a jsonl file of instruction, chat and text rows; each rank writes ``OUT/rank<R>.json``.
 
-Every run starts from the same small checkpoint (bf16 safetensors, written by ``save_pretrained``) and
-exports to ``OUT/<variant>-<strategy>/``. Recorded per run: this rank's loss of every step, the loss of
-the pretrained model itself (``from_pretrained``) on the first batch, and for zero3 which units train
-and how many optimizer-state elements this rank holds against the adapters' size.
+  full-zero3, full-ddp, lora-zero3, lora-ddp   STEPS steps each from the same small checkpoint (bf16
+        safetensors and a subword tokenizer, written by ``make_pretrained``), exported to ``OUT/<run>/``.
+  interrupted   full under zero3 with max_steps STEPS, stopped after STEPS // 2 (mid-epoch), a sharded
+        ``last.ckpt`` written there by ModelCheckpoint; resumed: the same job with ``--ckpt_path last``.
+Recorded per run: this rank's loss of every step, the loss of the pretrained model itself
+(``from_pretrained``) on the first batch, normalised as the module does (over the trained tokens of all
+ranks), and for zero3 which units train and how many optimizer-state elements this rank holds; and the
+checkpoint's files' digests before and after (the checkpoint given is never written to).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import lightning_zero3  # noqa: E402
-from examples.finetune import TinyLlama, make_pretrained  # noqa: E402
+from examples.finetune import IGNORE, TinyLlama, make_pretrained  # noqa: E402
+from examples.finetune_assets import write_sample_data  # noqa: E402
 from lightning_zero3.cli import build_cli  # noqa: E402
 
-SHAPE = TinyLlama(hidden_size=64, intermediate_size=160, num_hidden_layers=3, max_position_embeddings=64)
+SHAPE = TinyLlama(hidden_size=64, intermediate_size=160, num_hidden_layers=3, max_position_embeddings=128)
+STEPS = 6  # 22 training rows, 2 ranks, 2 rows a batch: 5 batches an epoch, so the resume is mid-epoch
 
 
-def run(variant: str, strategy: str, out: Path, checkpoint: Path, adapter: Path) -> dict:
+class StopAfter(pl.Callback):
+    """Ends ``fit`` after ``steps`` optimizer steps, as if the job were killed there (the LR schedule is
+    still the one of ``max_steps``); ModelCheckpoint, which runs after it, has written that step."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def args_for(variant: str, strategy: str, out: Path, checkpoint: Path, data: Path, export: str, callbacks: list) -> list:
     # zero3 with small units, so that the model has sharded units beside the persistent group
     chosen = ["--trainer.strategy", "ddp"] if strategy == "ddp" else [
         "--trainer.strategy", "lightning_zero3.Zero3Strategy", "--trainer.strategy.persistence_threshold", "1000"
     ]  # fmt: skip
-    args = [
+    return [
         "fit", "--config", str(ROOT / "examples" / "configs" / f"finetune_{variant}.yaml"), *chosen,
-        "--trainer.max_steps", "4", "--trainer.limit_val_batches", "0",
+        "--trainer.max_steps", str(STEPS), "--trainer.limit_val_batches", "0",
         "--trainer.logger.init_args.save_dir", str(out / "logs"), "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false", "--trainer.callbacks", "[]",
-        "--model.init_args.checkpoint", str(checkpoint), "--model.init_args.make_checkpoint", "null",
-        "--model.init_args.export_dir", str(out / f"{variant}-{strategy}"),
-        "--data.init_args.block_size", "32", "--data.init_args.batch_size", "4", "--data.init_args.corpus_bytes", "60000",
+        "--trainer.enable_model_summary", "false", "--trainer.callbacks", json.dumps(callbacks),
+        "--model.init_args.checkpoint", str(checkpoint), "--model.init_args.export_dir", str(out / export),
+        "--data.init_args.path", str(data), "--data.init_args.batch_size", "2",
     ]  # fmt: skip
+
+
+def pretrained_loss(checkpoint: Path, batch: dict) -> float:
+    """The pretrained model's loss on this rank's batch: its tokens' summed loss over the trained tokens of
+    every rank, times the world size (what ``CausalLMFineTune.batch_loss`` computes)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    total = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                              ignore_index=IGNORE, reduction="sum")  # fmt: skip
+    count = (targets != IGNORE).sum()
+    torch.distributed.all_reduce(count)
+    return (total * torch.distributed.get_world_size() / count).item()
+
+
+def run(variant: str, strategy: str, out: Path, checkpoint: Path, data: Path, adapter: Path) -> dict:
+    args = args_for(variant, strategy, out, checkpoint, data, f"{variant}-{strategy}", [])
     if variant == "lora":
         args += ["--model.init_args.lora.adapter", str(adapter)]
     cli = build_cli(args)
     module, trainer = cli.model, cli.trainer
-    from transformers import AutoModelForCausalLM
-
-    pretrained = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    ids, targets = module.first_batch
-    with torch.no_grad():
-        logits = pretrained(input_ids=ids).logits
-    result = {
-        "losses": module.step_losses,
-        "pretrained_loss": torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item(),
-    }  # fmt: skip
+    result = {"losses": module.step_losses, "pretrained_loss": pretrained_loss(checkpoint, module.first_batch)}
     if variant == "full":  # the trained weights, gathered, to hold the export against
         with lightning_zero3.gathered_parameters(module.model):
             trained = {name: value.detach().clone() for name, value in module.model.state_dict().items()}
@@ -67,6 +101,21 @@ def run(variant: str, strategy: str, out: Path, checkpoint: Path, adapter: Path)
         )  # fmt: skip
         result["adapter_elements"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return result
+
+
+def interrupted_and_resumed(out: Path, checkpoint: Path, data: Path) -> dict:
+    saver = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+             "init_args": {"dirpath": str(out / "resume" / "checkpoints"), "every_n_train_steps": STEPS // 2,
+                           "save_top_k": 0, "save_last": True}}  # fmt: skip
+    args = args_for("full", "zero3", out, checkpoint, data, "resume/export", [saver])
+    cli = build_cli(args[1:], run=False)  # no subcommand: fit is called below, with the stop added
+    cli.trainer.callbacks.insert(0, StopAfter(STEPS // 2))
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    first = cli.model.step_losses
+    resumed = build_cli([*args, "--ckpt_path", "last"])  # what a user types to resume
+    written = sorted(p.name for p in (out / "resume" / "checkpoints").iterdir())
+    return {"interrupted": first, "resumed": resumed.model.step_losses, "checkpoints": written,
+            "global_step": resumed.trainer.global_step}  # fmt: skip
 
 
 def initial_adapter(checkpoint: Path, out: Path) -> Path:
@@ -88,10 +137,16 @@ def initial_adapter(checkpoint: Path, out: Path) -> Path:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    # rank 1 starts once rank 0 has written both (at the first Trainer's launch)
+    # rank 1 starts once rank 0 has written these (at the first Trainer's launch)
     checkpoint = make_pretrained(str(out / "pretrained"), SHAPE)
+    data = out / "data.jsonl"
+    if not data.exists():
+        write_sample_data(data)
     adapter = initial_adapter(checkpoint, out / "initial-adapter")
-    results = {f"{v}-{s}": run(v, s, out, checkpoint, adapter) for v in ("full", "lora") for s in ("zero3", "ddp")}
+    before = digests(checkpoint)
+    results = {f"{v}-{s}": run(v, s, out, checkpoint, data, adapter) for v in ("full", "lora") for s in ("zero3", "ddp")}
+    results["resume"] = interrupted_and_resumed(out, checkpoint, data)
+    results["checkpoint_unchanged"] = digests(checkpoint) == before
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
