@@ -72,11 +72,20 @@ class LoraSettings:
 
 def make_pretrained(directory: str, shape: TinyLlama, seed: int = 0) -> Path:
     """A randomly initialised Llama of ``shape`` saved with ``save_pretrained`` (bf16) at ``directory``;
-    kept if it is there already. Written to a temporary name first, so a directory there is complete."""
+    kept if it is there already (and refused if that one has another shape). Written to a temporary name first, so a directory there is complete."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(directory)
     if (out / "config.json").is_file():
+        import json
+
+        held = json.loads((out / "config.json").read_text())
+        differ = {k: (held.get(k), v) for k, v in asdict(shape).items() if k != "vocab_size" and held.get(k) != v}
+        if differ:
+            raise ValueError(
+                f"make_pretrained: {out} holds a checkpoint of another shape ({', '.join(f'{k}: {a} there, {b} asked' for k, (a, b) in differ.items())}); "
+                "remove it to write the new one, or write it elsewhere."
+            )  # fmt: skip
         return out
     torch.manual_seed(seed)
     staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
