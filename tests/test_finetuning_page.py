@@ -85,6 +85,10 @@ def test_the_page_shows_the_recipes_commands():
     assert f"{MAIN} --ckpt_path last" in commands
     assert any("finetune_lora.yaml" in c for c in commands)
     assert any("--model.init_args.activation_checkpointing true" in c for c in commands)
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Fine-tune your own Hugging Face checkpoint") :].split("\n## ")[0]
+    shown = re.findall(r"```bash\n(.+?)\n```", section, flags=re.S)[0].splitlines()
+    assert shown and set(shown) <= set(commands)  # the README's fine-tuning commands are among those run here
 
 
 def test_every_command_of_the_page_runs(page_run):
