@@ -49,12 +49,12 @@ from .checkpoint.full import save_full_checkpoint
 from .config import Zero3Config, default_nvme_path
 from .engine import Zero3Engine, engine_of
 from .engine.comm.collective_log import FABRIC_SAVE_FIX, in_phase
-from .engine.layout.materialize import move_real_tensors, parameters_on_meta
+from .engine.layout.materialize import move_real_tensors
 from .errors import Zero3ConfigError
 from .knobs import build_config
 from .precision_core import PrecisionCore, translate_precision
 from .pretrained import load_pretrained
-from .shared_setup import ProcessesMixin, new_engine
+from .shared_setup import ProcessesMixin, built_on_meta, new_engine
 
 
 class Zero3FabricPrecision(PrecisionCore, Precision):
@@ -166,12 +166,12 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
         if self.root_device.type != "cpu":
             stack.enter_context(self.root_device)
         if empty_init:
-            stack.enter_context(parameters_on_meta())
+            stack.enter_context(built_on_meta(self.config, self.root_device))
         stack.enter_context(self.precision.module_init_context())
         return stack
 
     def module_sharded_context(self) -> Any:
-        return parameters_on_meta()
+        return built_on_meta(self.config, self.root_device)
 
     def module_to_device(self, module: nn.Module) -> None:
         move_real_tensors(module, self.root_device)  # meta parameters stay: the engine builds them as shards

@@ -33,7 +33,9 @@ from .engine import Communicator, Zero3Engine
 from .engine.comm.collective_log import collective
 from .engine.comm.process_exit import close_process_groups_at_exit, note_failure
 from .engine.comm.watchdog import Watchdog
+from .engine.layout.materialize import parameters_on_meta
 from .engine.layout.slots import DtypePolicy
+from .engine.memory.buffers import map_large_temporaries
 
 # One watchdog per run; every rank starts the same number of them, so their store keys agree.
 _WATCHDOG_GENERATIONS = itertools.count()
@@ -203,11 +205,26 @@ def init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
     return hook
 
 
+def built_on_meta(config: Zero3Config, device: torch.device):
+    """``parameters_on_meta()``, with the heap policy of a run sized by its host memory set first.
+
+    A model built on the meta device still draws its random numbers on scratch tensors freed at once (see
+    [Note: eager construction replayed] in engine/layout/materialize.py), and glibc's heap kept their
+    freed space resident: 239 MiB of a GPT of 40M parameters, before any weight was placed, a floor under
+    the whole run's peak that no offload plan could lower. A run that offloads on the host (or may:
+    ``"auto"``) maps its large temporaries from the start ([Note: large temporaries are mapped] in
+    engine/memory/buffers.py): that construction then left 27 MiB."""
+    if device.type == "cpu" and config.offload_optimizer is not None:
+        map_large_temporaries()
+    return parameters_on_meta()
+
+
 def new_engine(module: nn.Module, config: Zero3Config, device: torch.device, dtypes: DtypePolicy,
-               ranks_per_node: int) -> Zero3Engine:  # fmt: skip
-    """Shard ``module`` (Lightning numbers ranks node by node: ``ranks_per_node`` consecutive ranks per node)."""
+               ranks_per_node: int, activations=None) -> Zero3Engine:  # fmt: skip
+    """Shard ``module`` (Lightning numbers ranks node by node: ``ranks_per_node`` consecutive ranks per node).
+    ``activations``: a training step's, for the automatic offload plan (auto_plan.py)."""
     comm = Communicator(ranks_per_node=ranks_per_node)
-    return Zero3Engine(module, config, comm, device, dtypes, init_hook(module))
+    return Zero3Engine(module, config, comm, device, dtypes, init_hook(module), activations)
 
 
 def refuse_untrainable(module: nn.Module, action: str) -> None:

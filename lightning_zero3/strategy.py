@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -32,12 +33,13 @@ from .checkpoint.export import save_full_weights
 from .checkpointing import CheckpointingMixin
 from .config import Zero3Config, default_nvme_path
 from .engine import Zero3Engine, engine_of
-from .engine.layout.materialize import move_real_tensors, parameters_on_meta
+from .engine.layout.materialize import move_real_tensors
 from .errors import Zero3ConfigError
 from .knobs import DEFAULTS, build_config, knob_docstring
 from .phases import PhasesMixin
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
-from .shared_setup import ProcessesMixin, new_engine, refuse_untrainable
+from .auto_plan import first_step_warning, step_activations
+from .shared_setup import ProcessesMixin, built_on_meta, new_engine, refuse_untrainable
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +180,13 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
         if engine is None:
             precision.convert_module(module)
             self.model_to_device()
-            engine = new_engine(module, self.config, self.root_device, dtypes, self.num_processes)
+            # the automatic offload plan counts the job's activations, measured on the meta device
+            activations = step_activations(trainer, module, self.config) if fitting else None
+            engine = new_engine(module, self.config, self.root_device, dtypes, self.num_processes, activations)
         else:
             self._reuse(engine, dtypes)
         self._engine = engine
+        self._plan_unchecked = fitting and engine.plan_estimate is not None
         self.model = _RootCall(module)
         precision.engine = engine
         precision.device_type = self.root_device.type
@@ -226,7 +231,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
             with super().tensor_init_context(empty_init):
                 yield
             return
-        with parameters_on_meta(), self.precision_plugin.tensor_init_context():
+        with built_on_meta(self.config, self.root_device), self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
@@ -238,8 +243,17 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
         eager build (DDP's) draws after the same seed ([Note: eager construction replayed] in
         engine/materialize.py). Only where construction did not set them: each module's ``reset_parameters()``,
         its library's initialiser and then the LightningModule's ``init_weights(module)``, if it has one."""
-        with parameters_on_meta():
+        with built_on_meta(self.config, self.root_device):
             yield
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        engine = self._engine
+        if getattr(self, "_plan_unchecked", False) and engine is not None and self.lightning_module.trainer.global_step >= 1:
+            self._plan_unchecked = False  # the first step is done: did the automatic plan hold to its budget?
+            warning = first_step_warning(engine)
+            if warning:
+                warnings.warn(f"rank {self.global_rank}: {warning}", stacklevel=2)
 
     @contextmanager
     def block_backward_sync(self) -> Generator:

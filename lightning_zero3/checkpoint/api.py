@@ -70,8 +70,24 @@ def save_sharded_checkpoint(
     hf = find_hf_model(engine.module)
     if hf is not None:  # consolidation can then write a Hugging Face directory with nothing else at hand
         files[HF_CONFIG] = json.dumps({"prefix": hf[0], **hf_configuration(hf[1])})
+    if engine.plan_estimate is not None:  # the automatic offload plan this run took, and why
+        files[OFFLOAD_PLAN] = json.dumps(offload_plan(engine), indent=1)
     write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra, files)
     return_free_heap()
+
+
+OFFLOAD_PLAN = "offload_plan.json"  # inside a sharded checkpoint of a run with offload_*="auto"
+
+
+def offload_plan(engine: Zero3Engine) -> dict[str, Any]:
+    """The automatic offload plan of ``engine``: what was asked, what was taken and sized, the figures."""
+    cfg, estimate = engine.config, engine.plan_estimate
+    return {
+        "plan": estimate.plan, "asked": engine.auto_settings, "memory_budget_bytes": engine.plan_budget,
+        "taken": {name: getattr(cfg, name) for name in ("offload_optimizer", "offload_params", "offload_buffer_count",
+                                                          "prefetch_bucket_size")},
+        "estimated_bytes_per_rank": estimate.device_bytes_per_rank, "why": engine.plan_choice,
+    }  # fmt: skip
 
 
 def write_sharded_checkpoint(

@@ -15,6 +15,7 @@ memory or in swap files (``offload/``); ``engine.states_in_memory()`` makes them
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -46,6 +47,7 @@ from .memory.buffers import (
 )
 from .offload import Offload, PipelinedStep, restore_flags
 from .optimizers import OptimizerSide
+from .plan.facts import Activations
 from .plan.resolve import resolve_auto
 from .schedule.hooks import HookManager
 from .schedule.prefetch import Schedule
@@ -104,6 +106,10 @@ class NoTrainableParametersError(ValueError):
     """Training was asked of a model whose parameters all have ``requires_grad=False``."""
 
 
+#: the settings the automatic offload plan decides or sizes (see plan/choose.py)
+AUTO_SETTINGS = ("offload_optimizer", "offload_params", "offload_buffer_count", "prefetch_bucket_size", "memory_budget")
+
+
 class Zero3Engine(OptimizerSide):
     def __init__(
         self,
@@ -113,11 +119,13 @@ class Zero3Engine(OptimizerSide):
         device: Optional[torch.device] = None,
         dtypes: DtypePolicy = DtypePolicy(),
         init_fn: Optional[InitFn] = None,
+        activations: Optional[Activations] = None,
     ) -> None:
         """Shard ``module`` in place. Parameters on the meta device are materialised unit by unit, straight
         into shards (see [Note: sharded initialisation] in materialize.py): rank 0 replays what their
         construction under ``parameters_on_meta()`` did, else each module's ``reset_parameters()`` and then
-        ``init_fn(module)`` initialise them."""
+        ``init_fn(module)`` initialise them. ``activations``: what one training step saves for backward, for the
+        automatic offload plan (see plan/resolve.py; the caller measures them on the meta device)."""
         self.module = module
         self.config = config or Zero3Config()
         self.dtypes = dtypes
@@ -132,12 +140,16 @@ class Zero3Engine(OptimizerSide):
             raise ValueError("zero3: the model is on the meta device; pass `device=` to build its shards on.")
         self.device = device or (first.device if first is not None else torch.device("cpu"))
         self.plan_choice: Optional[str] = None  # why the automatic offload plan was taken (plan/resolve.py)
+        self.plan_estimate = None  # its figures (``PlanEstimate``), and the settings it was chosen from:
+        self.auto_settings: Optional[dict] = None  # the "auto" ones, for a later run's reuse_problems
+        self.plan_budget: Optional[int] = None  # bytes per rank the plan was chosen to fit
         if "auto" in (self.config.offload_optimizer, self.config.offload_params):
             master = first.element_size() if first is not None else 4
             compute = torch.tensor([], dtype=dtypes.compute).element_size() if dtypes.compute else master
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or self.comm.world_size
-            self.config, _, self.plan_choice = resolve_auto(
-                module, self.config, self.comm.world_size, local, self.device, master, compute
+            self.auto_settings = {name: getattr(self.config, name) for name in AUTO_SETTINGS}
+            self.config, self.plan_estimate, self.plan_choice, self.plan_budget = resolve_auto(
+                module, self.config, self.comm.world_size, local, self.device, master, compute, activations
             )  # before any weight is placed: nothing to undo if no plan fits
         # a run sized by its host memory: its states are offloaded to host memory or NVMe of a CPU run
         self.host_sized = self.device.type == "cpu" and self.config.offload_optimizer is not None
@@ -237,8 +249,22 @@ class Zero3Engine(OptimizerSide):
         "nvme_path",
     )  # fmt: skip
 
+    def resolved(self, config: Zero3Config) -> Zero3Config:
+        """``config`` of a later run on these shards, with the automatic plan this engine took in place of
+        ``"auto"``: an offload setting ``"auto"`` takes the tier chosen, and the settings the plan sized
+        (buffer count, prefetch) keep their sized values where the later run asks what this one asked."""
+        if self.auto_settings is None or "auto" not in (config.offload_optimizer, config.offload_params):
+            return config
+        changes = {"memory_budget": None}
+        for name, asked in self.auto_settings.items():
+            value = getattr(config, name)
+            if name != "memory_budget" and (value == "auto" or value == asked):
+                changes[name] = getattr(self.config, name)
+        return dataclasses.replace(config, **changes)
+
     def reuse_problems(self, config: Zero3Config, dtypes: DtypePolicy, device: torch.device, world_size: int) -> list[str]:
         """What keeps this engine from serving a later run with these settings (empty: it can)."""
+        config = self.resolved(config)
         problems = [
             f"{name}={getattr(config, name)!r} (the model was sharded with {getattr(self.config, name)!r})"
             for name in self.LAYOUT
@@ -254,6 +280,7 @@ class Zero3Engine(OptimizerSide):
 
     def reconfigure(self, config: Zero3Config) -> None:
         """Take the scheduling settings of a later run (prefetch, buckets, overlap); the layout stays."""
+        config = self.resolved(config)
         self.config = config
         self.schedule.prefetch_numel = config.prefetch_bucket_size
         self.schedule.max_live_numel = config.max_live_parameters

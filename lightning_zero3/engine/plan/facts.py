@@ -81,6 +81,10 @@ def model_facts(module: nn.Module, unit_modules, persistence_threshold: int, wor
     )
 
 
+def _never_unpacked(_: object) -> torch.Tensor:
+    raise RuntimeError("zero3: a step measured for its activations is not run backward")
+
+
 @dataclass(frozen=True)
 class Activations:
     """Bytes saved for backward by one training step's forward (see [Note: activations measured on the meta
@@ -117,18 +121,23 @@ def measure_activations(module: nn.Module, step: Callable[[], object], units: Op
     per_unit = [0] * len(units)
     inputs = [0] * len(units)
     biggest = [0]
+    alive: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = storage._cdata
+        alive.append(t.detach())  # its storage stays while measuring: no later storage takes its key
         if seq_len and t.dim() >= 3 and t.shape[-1] == t.shape[-2] == seq_len:
-            return t  # attention weights: fused kernels do not save them (see the Note)
+            return None  # attention weights: fused kernels do not save them (see the Note)
         if key not in params and key not in saved:
             saved[key] = storage.nbytes()
             biggest[0] = max(biggest[0], storage.nbytes())
             if current[0] is not None:
                 per_unit[current[0]] += storage.nbytes()
-        return t
+        # autograd keeps nothing: the step never runs backward. Handing it ``t`` itself left every parameter
+        # it saved (a linear layer's weight) held after the graph was gone (torch.utils.swap_tensors then
+        # refused to materialise the parameters of a model measured before the engine built it)
+        return None
 
     handles = []
     for i, unit in enumerate(units):
@@ -142,7 +151,7 @@ def measure_activations(module: nn.Module, step: Callable[[], object], units: Op
         handles.append(unit.register_forward_pre_hook(enter))
         handles.append(unit.register_forward_hook(leave))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
             step()
     finally:
         for handle in handles:
