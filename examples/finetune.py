@@ -40,6 +40,8 @@ import lightning_zero3
 
 #: where the small checkpoint is written when no ``checkpoint`` is given (relative to the working directory)
 SAMPLE_CHECKPOINT = "runs/pretrained/tiny-llama"
+#: the small LLaVA-Next of the multimodal job (``finetune_llava.yaml``), written when no ``checkpoint`` is given
+SAMPLE_IMAGE_CHECKPOINT = "runs/pretrained/tiny-llava-next"
 IGNORE = -100  # labels of positions not trained (``sft_data.py``)
 
 
@@ -76,16 +78,7 @@ def make_pretrained(directory: str, shape: TinyLlama, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(directory)
-    if (out / "config.json").is_file():
-        import json
-
-        held = json.loads((out / "config.json").read_text())
-        differ = {k: (held.get(k), v) for k, v in asdict(shape).items() if k != "vocab_size" and held.get(k) != v}
-        if differ:
-            raise ValueError(
-                f"make_pretrained: {out} holds a checkpoint of another shape ({', '.join(f'{k}: {a} there, {b} asked' for k, (a, b) in differ.items())}); "
-                "remove it to write the new one, or write it elsewhere."
-            )  # fmt: skip
+    if _kept(out, shape, "make_pretrained"):
         return out
     torch.manual_seed(seed)
     staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
@@ -100,6 +93,66 @@ def make_pretrained(directory: str, shape: TinyLlama, seed: int = 0) -> Path:
                                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})  # fmt: skip
         model = LlamaForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(staging)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _kept(out: Path, shape: TinyLlama, caller: str, section: Optional[str] = None) -> bool:
+    """Whether ``out`` holds a checkpoint already (of ``shape``: one of another shape is refused)."""
+    if not (out / "config.json").is_file():
+        return False
+    import json
+
+    held = json.loads((out / "config.json").read_text())
+    held = held.get(section, {}) if section else held
+    differ = {k: (held.get(k), v) for k, v in asdict(shape).items() if k != "vocab_size" and held.get(k) != v}
+    if differ:
+        raise ValueError(
+            f"{caller}: {out} holds a checkpoint of another shape ({', '.join(f'{k}: {a} there, {b} asked' for k, (a, b) in differ.items())}); "
+            "remove it to write the new one, or write it elsewhere."
+        )  # fmt: skip
+    return True
+
+
+def make_llava_next(directory: str, text: TinyLlama, seed: int = 0) -> Path:
+    """A randomly initialised LLaVA-Next saved with ``save_pretrained`` (bf16) at ``directory``, with its
+    processor: a tiny CLIP vision tower (32-pixel tiles of 8-pixel patches, the any-resolution grid 32x32 and
+    32x64), the projector, and a Llama of ``text``'s shape whose tokenizer is ``finetune_assets``'s, trained
+    locally, plus the ``<image>`` token. Kept if it is there already, as ``make_pretrained`` does."""
+    import transformers as T
+
+    out = Path(directory)
+    if _kept(out, text, "make_llava_next", section="text_config"):
+        return out
+    torch.manual_seed(seed)
+    staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        try:
+            from examples.finetune_assets import train_tokenizer
+        except ImportError:  # run with examples/ itself on the path
+            from finetune_assets import train_tokenizer
+
+        tokenizer = train_tokenizer(staging)
+        tokenizer.add_tokens(["<image>"], special_tokens=True)
+        grid = [[32, 32], [32, 64]]
+        # transformers 5 names the PIL backend apart (its default one needs torchvision); 4.x's is PIL's
+        pil = getattr(T, "LlavaNextImageProcessorPil", None) or T.LlavaNextImageProcessor
+        images = pil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=grid)
+        # the processor writes as many <image> tokens as the model makes features: CLIP's class token is
+        # dropped by the "default" feature selection, hence the one additional token
+        processor = T.LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
+                                         vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                         chat_template=tokenizer.chat_template)  # fmt: skip
+        vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    image_size=32, patch_size=8, projection_dim=32)  # fmt: skip
+        language = T.LlamaConfig(**{**asdict(text), "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                                    "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})  # fmt: skip
+        config = T.LlavaNextConfig(vision_config=vision, text_config=language, image_grid_pinpoints=grid,
+                                   image_token_index=tokenizer.convert_tokens_to_ids("<image>"))  # fmt: skip
+        T.LlavaNextForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(staging)
+        processor.save_pretrained(staging)
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -233,3 +286,53 @@ class CausalLMFineTune(pl.LightningModule):
             self.model.save_pretrained(out / "adapter")  # peft's own call: the adapters are whole on every rank
         # every rank takes part (the units are gathered one at a time); rank 0 writes
         lightning_zero3.save_full_weights(self.model, out / "model", fmt="hf")
+
+
+class ImageTextFineTune(CausalLMFineTune):
+    """A Hugging Face image-text-to-text model (LLaVA-Next, LLaVA, ...) fine-tuned on image conversations
+    (``sft_images.ImageConversations``): the modules named in ``freeze`` (the vision tower) stay as loaded,
+    the rest (the projector, the language model) trains. Loading, loss and export are ``CausalLMFineTune``'s.
+
+    Args:
+        checkpoint: The pretrained model's directory (``save_pretrained``'s, with its processor). None: a small
+            LLaVA-Next whose language model has ``make_checkpoint``'s shape, written once at
+            ``SAMPLE_IMAGE_CHECKPOINT`` (``make_llava_next``; no download).
+        freeze: Submodules kept frozen (no gradient, no optimizer state; their zero3 units hold no gradient shard).
+        Others: as ``CausalLMFineTune``.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Optional[str] = None,
+        freeze: tuple[str, ...] = ("model.vision_tower",),
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        export_dir: Optional[str] = None,
+        make_checkpoint: Optional[TinyLlama] = None,
+        warmup_steps: int = 0,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        super().__init__(checkpoint, None, lr, weight_decay, export_dir, make_checkpoint, warmup_steps,
+                         activation_checkpointing)  # fmt: skip
+        self.checkpoint = checkpoint if checkpoint is not None else SAMPLE_IMAGE_CHECKPOINT
+        self.freeze = tuple(freeze)
+
+    def prepare_data(self) -> None:
+        if self.make_checkpoint is not None:
+            make_llava_next(self.checkpoint, self.make_checkpoint)
+        else:
+            super().prepare_data()
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoConfig, AutoModelForImageTextToText
+
+        config = AutoConfig.from_pretrained(self.checkpoint)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        model = lightning_zero3.load_pretrained(model, self.checkpoint)
+        for name in self.freeze:
+            model.get_submodule(name).requires_grad_(False)
+        if self.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = model

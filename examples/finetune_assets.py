@@ -60,3 +60,30 @@ def train_tokenizer(directory: Path, vocab_size: int = 512):
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     return fast
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
+
+
+def write_sample_images(path: Path) -> Path:
+    """A small jsonl of image conversations (``sft_images.py``'s rows) and its PNG images (drawn here with
+    PIL, which the image processors need anyway), in ``images/`` beside the file: each image is one colour
+    (with a darker band) at 32x32 or 32x64 pixels, and the assistant names the colour."""
+    from PIL import Image
+
+    path = Path(path)
+    images = path.parent / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (name, rgb) in enumerate(COLOURS.items()):
+        for height, width in ((32, 32), (32, 64)):
+            image = Image.new("RGB", (width, height), rgb)
+            image.paste(tuple(c // 2 for c in rgb), (0, height // 2, width, height // 2 + 4))
+            file = images / f"{name}-{width}x{height}.png"
+            image.save(file)
+            for question in ("What colour is this picture?", "Describe the image."):
+                rows.append({"image": f"images/{file.name}", "messages": [
+                    {"role": "user", "content": f"<image>\n{question}"},
+                    {"role": "assistant", "content": f"The picture is {name}."}]})  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -68,6 +68,25 @@ def test_print_config_round_trips(config, tmp_path, capsys):
     }
 
 
+@pytest.mark.parametrize("config", sorted((ROOT / "examples" / "configs").glob("finetune_*.yaml")), ids=lambda p: p.name)
+def test_the_finetune_configs_parse_and_round_trip(config, tmp_path, capsys):
+    """The fine-tuning YAMLs parse (the GPU one is not run here: no GPU); the GPU one is bf16 on 8 devices
+    with activation checkpointing and its offload switches; the multimodal one freezes the vision tower."""
+    pytest.importorskip("transformers")
+    printed = _cli(capsys, "fit", "--config", str(config), "--print_config")
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert _cli(capsys, "fit", "--config", str(tmp_path / "printed.yaml"), "--print_config") == printed
+    loaded = yaml.safe_load(printed)
+    if config.name == "finetune_gpu.yaml":
+        trainer, strategy = loaded["trainer"], loaded["trainer"]["strategy"]["init_args"]
+        assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 8, "bf16-mixed")
+        assert loaded["model"]["init_args"]["activation_checkpointing"] is True
+        assert "offload_optimizer" in strategy and "offload_params" in strategy
+    if config.name == "finetune_llava.yaml":
+        assert loaded["model"]["init_args"]["freeze"] == ["model.vision_tower"]
+        assert loaded["trainer"]["strategy"]["init_args"]["offload_optimizer"] is None
+
+
 def test_the_int8_overlay_turns_the_main_job_into_the_quality_run(capsys):
     """README "Across nodes": the main job's config plus ``int8_gathers.yaml`` is the 300-step int8 run."""
     configs = ROOT / "examples" / "configs"

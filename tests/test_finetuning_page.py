@@ -98,6 +98,9 @@ def test_every_command_of_the_page_runs(page_run):
     assert (work / "runs" / "data" / "sample.jsonl").is_file()
     assert "Restored all states from the checkpoint" in logs[f"{MAIN} --ckpt_path last"]
     assert (work / "runs" / "finetune-lora" / "export" / "adapter" / "adapter_config.json").is_file()
+    llava = work / "runs" / "finetune-llava" / "export" / "model"  # the multimodal job, its sample made locally
+    assert {"processor_config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in llava.iterdir()}
+    assert (work / "runs" / "data-images" / "sample.jsonl").is_file()
     for switch in ("off", "on"):  # the activation-checkpointing measurement's commands
         assert len(list((work / f"rss-{switch}").glob("rank*.json"))) == 2
 
