@@ -250,10 +250,12 @@ class CausalLMFineTune(pl.LightningModule):
         return self.model(**batch, num_items_in_batch=trained.clamp(min=1)).loss * world
 
     def training_step(self, batch, batch_idx):
+        loss = self.batch_loss(batch)
+        if loss.is_meta:  # the estimate's measuring forward on a meta batch (lightning-zero3 estimate): no values
+            return loss
         if self.first_batch is None:
             self.first_batch = {k: v.detach().cpu() for k, v in batch.items()} if isinstance(batch, dict) else \
                 tuple(t.detach().cpu() for t in batch[:2])  # fmt: skip
-        loss = self.batch_loss(batch)
         self.step_losses.append(loss.item())
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss

@@ -249,3 +249,12 @@ def test_a_failed_child_reports_its_exit_and_last_lines(tmp_path, monkeypatch):
         "1B: exit 1: loading / benchmark: CUDA out of memory"
     )
     assert gpu_check.run_child("ok", [sys.executable, "-c", "print('fine')"], timeout=60) is None
+
+
+def test_the_estimate_row_states_estimate_measured_and_ratio_and_is_skipped_without_cuda():
+    ok, detail = gpu_check.estimate_row({"estimate": 3 * 2**30, "measured": 2**31 + 2**30 // 2, "model": "GPT 85M"})
+    assert ok and detail.startswith("estimate 3,072 MiB, measured max_memory_allocated 2,560 MiB, ratio 1.20 (outside 15%")
+    assert gpu_check.run_worker("estimate", "cpu")["skipped"].startswith("skipped")
+    rows = gpu_check.verdicts({**{n: "not run" for n in (*gpu_check.CONCURRENT_WORKERS, "timing")},
+                               "estimate": {"skipped": "skipped: needs CUDA"}})  # fmt: skip
+    assert rows[-1] == Row("estimate", "INFO", "skipped: needs CUDA")

@@ -34,6 +34,10 @@ benchmarks run alone. One process keeps every unit gathered by default, so the c
   with an event recorded right after the issue: then there is no stall to see, and the row says so);
   issued before a spin kernel that outlasts it, its time is its own (not the spin's) and nothing is
   exposed. Then the start-up peak of that size.
+- ``estimate``: ``lightning-zero3 estimate``'s figure for ``ESTIMATE_GPT`` (zero3, 32-true, one device,
+  no offload) against ``torch.cuda.max_memory_allocated`` of the same run (``ESTIMATE_STEPS`` steps); the
+  estimate's stated CUDA context is left out, which the allocator does not see. An INFO row: estimate,
+  measured, ratio (issue 48 holds the CPU estimates to 15%; on a GPU it is a figure until measured).
 - ``monitors``: ``MemoryMonitor`` and ``CommMonitor`` on under NCCL, gathering on the GPU; the CUDA
   allocator figures and the communication figures they logged last (their ``last_logged``).
 - ``benchmark <strategy>``: ``examples/benchmarks/benchmark.py`` on this GPU under zero3, DDP, FSDP2
@@ -110,6 +114,9 @@ PEAK_FLOPS = (
 #: the model of the correctness checks (the CPU parity suite's shape, a little wider)
 PARITY_GPT = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH = 8
+#: the ``estimate`` check's model (the benchmark's 85M shape) and run: the estimate against the allocator's peak
+ESTIMATE_GPT = dict(vocab_size=256, block_size=512, n_layer=12, n_head=12, n_embd=768)
+ESTIMATE_BATCH, ESTIMATE_STEPS = 8, 5
 #: examples/benchmarks/benchmark.py's arguments: a GPT of 85M parameters, 8192 tokens a step
 BENCHMARK = {"cuda": ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "--block-size", "512", "--batch-size", "16",
                       "--steps", "30", "--warmup", "10", "--runs", "2"],
@@ -447,6 +454,7 @@ def run_checks(accelerator: str, tmp: Path, jobs: int) -> dict[str, Any]:
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         runs = dict(zip(CONCURRENT_WORKERS, pool.map(lambda name: launch(name, accelerator, tmp), CONCURRENT_WORKERS)))
     runs["timing"] = launch("timing", accelerator, tmp)
+    runs["estimate"] = launch("estimate", accelerator, tmp)  # alone too: its own allocator peak, whole device free
     return runs
 
 
@@ -486,7 +494,18 @@ def verdicts(runs: dict[str, Any]) -> list[Row]:
     row("offload 16-mixed clip", ("offload-fp16-clip", "zero3-fp16-clip"), offload)
     row("collective timing", ("timing",), timing_verdict)
     row("monitors", ("monitors",), lambda m: monitors_verdict(m["memory"], m["comm"]))
+    if "estimate" in runs:
+        row("estimate", ("estimate",), estimate_row)
     return rows
+
+
+def estimate_row(result: dict) -> tuple[bool, str]:
+    """The estimate against the allocator's measured peak: a figure (the row is INFO, never a verdict)."""
+    estimate, measured = result["estimate"], result["measured"]
+    ratio = estimate / measured if measured else float("inf")
+    return True, (f"estimate {estimate / 2**20:,.0f} MiB, measured max_memory_allocated {measured / 2**20:,.0f} MiB, "
+                  f"ratio {ratio:.2f} ({'within' if abs(ratio - 1) <= 0.15 else 'outside'} 15%; "
+                  f"{result['model']}, CUDA context left out)")  # fmt: skip
 
 
 def benchmark(accelerator: str, tmp: Path) -> list[Row]:
@@ -622,12 +641,16 @@ def run_worker(name: str, accelerator: str) -> dict:
         return collective_timing() if accelerator == "cuda" else {"skipped": "skipped: needs NCCL on CUDA"}
     if name == "monitors":
         return monitors_run(accelerator)
+    if name == "estimate":
+        if accelerator != "cuda":
+            return {"skipped": "skipped: compares with torch.cuda.max_memory_allocated (needs CUDA)"}
+        return estimate_run()
     strategy, precision, steps, clip = TRAINING[name]
     return train(strategy, precision, steps, clip, accelerator)
 
 
 def train(strategy: str, precision: str, steps: int, clip: Optional[float], accelerator: str,
-          callbacks: tuple = (), logger: Any = False) -> dict:  # fmt: skip
+          callbacks: tuple = (), logger: Any = False, gpt: Optional[dict] = None, batch: int = BATCH) -> dict:  # fmt: skip
     import lightning.pytorch as pl
     from gpt import GPTConfig, GPTModule, random_tokens
     from torch.utils.data import DataLoader
@@ -661,17 +684,43 @@ def train(strategy: str, precision: str, steps: int, clip: Optional[float], acce
     if accelerator == "cpu" and precision == "16-mixed":  # Lightning turns the flag into bf16 on the CPU
         flags = {"plugins": [lightning_zero3.Zero3Precision(precision)]}
     pl.seed_everything(1234)
-    cfg = GPTConfig(**PARITY_GPT)
+    cfg = GPTConfig(**(gpt or PARITY_GPT))
     model, record = GPTModule(cfg), Record()
     trainer = pl.Trainer(strategy=chosen, accelerator=accelerator, devices=1, **flags, max_steps=steps,
                          gradient_clip_val=clip, deterministic="warn", logger=logger, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[record, *callbacks])  # fmt: skip
-    data = random_tokens(steps * BATCH, cfg.block_size, cfg.vocab_size, seed=7)
-    trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=False))
+    data = random_tokens(steps * batch, cfg.block_size, cfg.vocab_size, seed=7)
+    trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=False))
     engine = lightning_zero3.engine_of(model)  # zero3 keeps the model sharded after fit: ask for full weights
     state = engine.full_state_dict() if engine is not None else model.state_dict()
     weights = {k: v.detach().cpu().clone() for k, v in state.items()}
     return {"losses": record.losses, "scales": record.scales, "weights": weights}
+
+
+def estimate_run() -> dict:
+    """The estimator's device figure for ``ESTIMATE_GPT`` under the correctness checks' zero3 settings (one
+    device, 32-true, no offload), less its stated CUDA context, and the run's ``torch.cuda.max_memory_allocated``."""
+    from gpt import GPTConfig, GPTModule
+
+    from lightning_zero3 import Zero3Config
+    from lightning_zero3.engine.plan.estimate import Job, estimate_plans
+    from lightning_zero3.engine.plan.facts import measure_activations, model_facts
+
+    cfg = Zero3Config(persistence_threshold=1000, single_process_sharding=True)  # train()'s zero3 settings
+    with torch.device("meta"):
+        module = GPTModule(GPTConfig(**ESTIMATE_GPT))
+    tokens = torch.zeros(ESTIMATE_BATCH, ESTIMATE_GPT["block_size"], dtype=torch.long, device="meta")
+    facts = model_facts(module, cfg.unit_modules, cfg.persistence_threshold, 1)
+    activations = measure_activations(module, lambda: module.model.loss(tokens, tokens), unit_modules=cfg.unit_modules,
+                                      persistence_threshold=cfg.persistence_threshold, seq_len=tokens.shape[1])  # fmt: skip
+    job = Job(world_size=1, ranks_per_node=1, prefetch_numel=cfg.prefetch_bucket_size,
+              max_live_numel=cfg.max_live_parameters, buffer_count=cfg.offload_buffer_count,
+              baseline_device=0)  # the allocator does not see the CUDA context  # fmt: skip
+    [none] = [e for e in estimate_plans(facts, activations, job) if e.offload_optimizer is None and e.offload_params is None]
+    torch.cuda.reset_peak_memory_stats(0)
+    train("zero3", "32-true", ESTIMATE_STEPS, None, "cuda", gpt=ESTIMATE_GPT, batch=ESTIMATE_BATCH)
+    return {"estimate": none.device_bytes_per_rank, "measured": torch.cuda.max_memory_allocated(0),
+            "model": f"GPT {facts.total_numel / 1e6:.0f}M, batch {ESTIMATE_BATCH} x {ESTIMATE_GPT['block_size']}"}
 
 
 def monitors_run(accelerator: str) -> dict:

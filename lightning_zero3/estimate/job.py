@@ -4,8 +4,10 @@ zero3 settings, the precision, the ranks.
 From the ``fit`` YAML: LightningCLI parses and instantiates it as ``fit`` would (no process is launched),
 under ``torch.device("meta")`` so that no weight is allocated, and the module's ``configure_model`` runs
 there too. One training forward is ``training_step((tokens, tokens), 0)`` on meta token ids of the
-data's batch size and sequence length (``batch_size`` and ``block_size`` / ``seq_len`` of the data
-module, or ``--batch-size`` / ``--seq-len``): the shape of a language model's batch.
+data's batch size and sequence length (``batch_size`` and ``block_size`` / ``seq_len`` / ``max_length`` of
+the data module, or ``--batch-size`` / ``--seq-len``): the shape of a language model's batch. The module's
+``prepare_data`` runs first, as in ``fit`` (a fine-tuning job's ``configure_model`` reads its checkpoint's
+config, written there for the sample model when no checkpoint is given; no weight is read).
 
 From a Hugging Face config (a directory or its ``config.json``): ``AutoModelForCausalLM.from_config`` on
 the meta device, one forward with ``labels``.
@@ -56,14 +58,24 @@ def from_yaml(path: str, overrides: list[str], batch_size: Optional[int], seq_le
         warnings.simplefilter("ignore")
         cli = build_cli(["--config", path, *overrides], run=False)
         module = cli.model
+    # fit runs the module's prepare_data before configure_model: a job whose configure_model reads a
+    # checkpoint's config finds it there (the fine-tuning jobs write their small sample model in it when
+    # none is given, and name a given one that is missing). Outside the meta device: it may write files.
+    # The data module's prepare_data is not run (it may download data, which the estimate does not need).
+    module.prepare_data()
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
         module.configure_model()
     trainer, data = cli.trainer, cli.datamodule
     strategy = trainer.strategy
     config = getattr(strategy, "config", None) or Zero3Config()
     batch = batch_size or int(getattr(data, "batch_size", 1))
-    seq = seq_len or int(getattr(data, "block_size", 0) or getattr(data, "seq_len", 0) or 0)
+    # a jsonl module pads each batch to its longest row, cut at max_length: the longest a batch can be
+    seq = seq_len or int(getattr(data, "block_size", 0) or getattr(data, "seq_len", 0) or
+                         getattr(data, "max_length", 0) or 0)  # fmt: skip
     if not seq:
-        raise SystemExit("lightning-zero3 estimate: give --seq-len (the data module has no block_size / seq_len).")
+        raise SystemExit("lightning-zero3 estimate: give --seq-len (the data module has no block_size / seq_len / "
+                         "max_length).")  # fmt: skip
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
 
     def step() -> object:
