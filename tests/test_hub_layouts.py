@@ -1,7 +1,9 @@
 """Hub checkpoints whose names or layout differ from the model's (LLaVA / LLaVA-Next renames, Mixtral and
 Qwen2-MoE per-expert tensors fused into ``experts.gate_up_proj``): ``load_pretrained`` applies transformers'
 own rules, each rank still reading only its own byte ranges, and trains with DDP's losses; a rule it cannot
-read by range, or a missing expert, fails before any weight changes, naming the tensor."""
+read by range, or a missing expert, fails before any weight changes, naming the tensor. The dense families
+(Mistral, Qwen2, Gemma 3 text, and Gemma 3's image-text checkpoints with LLaVA's prefix renames) and peft
+LoRA on Mixtral's attention and fused experts run in the same spawned job."""
 
 from __future__ import annotations
 
@@ -35,6 +37,20 @@ def tiny_model(kind: str) -> nn.Module:
             vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
             shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             num_experts_per_tok=2, max_position_embeddings=32))  # fmt: skip
+    if kind in ("mistral", "qwen2"):
+        cls, config = (T.MistralForCausalLM, T.MistralConfig) if kind == "mistral" else (T.Qwen2ForCausalLM, T.Qwen2Config)
+        return cls(config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=32))  # fmt: skip
+    gemma = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, max_position_embeddings=128, sliding_window=8)  # fmt: skip
+    if kind == "gemma3":
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(vocab_size=64, **gemma))
+    if kind == "gemma3_vlm":  # the Hub's Gemma 3 checkpoints: ``language_model.model.*``, renamed as LLaVA's
+        siglip = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      image_size=32, patch_size=8)  # fmt: skip
+        return T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+            text_config=T.Gemma3TextConfig(vocab_size=80, **gemma), vision_config=siglip, mm_tokens_per_image=4,
+            boi_token_index=77, eoi_token_index=78, image_token_index=79))  # fmt: skip
     vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 image_size=32, patch_size=8, projection_dim=32)  # fmt: skip
     text = T.LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -47,7 +63,8 @@ def tiny_model(kind: str) -> nn.Module:
     raise ValueError(kind)
 
 
-FAMILIES = ("mixtral", "qwen2_moe", "llava", "llava_next")
+FAMILIES = ("mixtral", "qwen2_moe", "llava", "llava_next", "mistral", "qwen2", "gemma3", "gemma3_vlm")
+MULTIMODAL = ("llava", "llava_next", "gemma3_vlm")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +88,7 @@ def _families_case(rank: int, world: int, paths: dict, exports: str) -> dict:
     out = {}
     for kind, path in paths.items():
         config = T.AutoConfig.from_pretrained(path)
-        reference = T.AutoModelForImageTextToText if kind.startswith("llava") else T.AutoModelForCausalLM
+        reference = T.AutoModelForImageTextToText if kind in MULTIMODAL else T.AutoModelForCausalLM
         whole = reference.from_pretrained(path, dtype=torch.float32)
         with torch.device("meta"):
             model = reference.from_config(config, dtype=torch.float32)
@@ -112,7 +129,56 @@ def _families_case(rank: int, world: int, paths: dict, exports: str) -> dict:
             whole.save_pretrained(Path(exports) / f"{kind}-save_pretrained")
         out[f"{kind}-trained"] = {k: v.clone() for k, v in engine.full_state_dict().items()}
         engine.close()
+    if "mixtral" in paths:  # the same job: LoRA on the sliced Mixtral
+        out["lora-mixtral"] = _lora_case(rank, paths["mixtral"], Path(exports) / f"lora-adapter-{rank}")
     return out
+
+
+def lora_config():
+    """peft's LoRA on the attention and on the fused experts (``target_parameters``: peft's ``ParamWrapper``
+    adds the adapters' product to ``experts.gate_up_proj`` / ``down_proj`` in the forward)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+
+
+def _lora_case(rank: int, path: Path, adapter: Path) -> dict:
+    """LoRA adapters on a sliced Mixtral under zero3 train with DDP's losses, both from the same new adapters
+    (peft's init, saved with peft's ``save_pretrained`` and read into the shards, as the fine-tuning job's
+    ``lora.adapter`` does)."""
+    from peft import get_peft_model
+
+    torch.manual_seed(1)
+    whole = get_peft_model(T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora_config())
+    whole.save_pretrained(adapter)
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(path), dtype=torch.float32)
+    load_pretrained(model, path)
+    model = get_peft_model(model, lora_config())
+    load_pretrained(model, adapter)  # the LoRA tensors only
+    engine = Zero3Engine(model, SMALL_UNITS, device=torch.device("cpu"))
+    full = engine.full_state_dict()
+    adapters = {k: v.clone() for k, v in whole.state_dict().items() if "lora_" in k}
+    missing = [k for k in adapters if k not in full or not torch.equal(full[k], adapters[k])]
+    ddp = nn.parallel.DistributedDataParallel(whole, find_unused_parameters=True)
+    adapted = [[p for p in net.parameters() if p.requires_grad] for net in (ddp, model)]
+    optimizers = [torch.optim.AdamW(adapted[0], lr=1e-2),
+                  engine.shard_optimizer(torch.optim.AdamW(adapted[1], lr=1e-2))]  # fmt: skip
+    losses = []
+    for step in range(STEPS):
+        pair = []
+        for net, optimizer in zip((ddp, model), optimizers):
+            loss = _loss(net, rank, step)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append(float(loss))
+        losses.append(pair)
+    full = engine.full_state_dict()
+    moved = [k for k in adapters if not torch.equal(full[k], adapters[k])]
+    engine.close()
+    return {"losses": losses, "adapters": sorted(adapters), "missing": sorted(missing), "moved": moved}
 
 
 def _file_tensors(path: Path) -> dict:
@@ -141,6 +207,18 @@ def test_a_hub_checkpoint_loads_sliced_and_trains_with_ddps_losses(kind, trained
     print(kind, [r[f"{kind}-losses"] for r in trained], [(r[f"{kind}-read"], r[f"{kind}-total"]) for r in trained])
 
 
+def test_lora_on_the_sliced_mixtrals_attention_and_fused_experts_trains_with_ddps_losses(trained):
+    pytest.importorskip("peft")
+    for rank, result in enumerate(trained["ranks"]):
+        lora = result["lora-mixtral"]
+        assert lora["missing"] == [], lora["missing"][:5]
+        assert any("experts" in k for k in lora["adapters"]) and any("q_proj" in k for k in lora["adapters"])
+        assert set(lora["moved"]) == set(lora["adapters"])  # every adapter trained
+        for ddp, zero3 in lora["losses"]:
+            assert zero3 == pytest.approx(ddp, rel=1e-6)
+    print("lora-mixtral", [r["lora-mixtral"]["losses"] for r in trained["ranks"]])
+
+
 def _header(directory: Path) -> dict:
     from safetensors import safe_open
 
@@ -160,7 +238,7 @@ def test_the_export_is_the_checkpoints_own_layout_and_reloads_bitwise(kind, trai
     assert _header(exported) == _header(trained["exports"] / f"{kind}-save_pretrained")
     for name in ("config.json", "tokenizer_config.json"):
         assert (exported / name).read_bytes() == (hub[kind] / name).read_bytes(), name
-    auto = T.AutoModelForImageTextToText if kind.startswith("llava") else T.AutoModelForCausalLM
+    auto = T.AutoModelForImageTextToText if kind in MULTIMODAL else T.AutoModelForCausalLM
     reloaded = auto.from_pretrained(exported, dtype=torch.float32).state_dict()
     expected = trained["ranks"][0][f"{kind}-trained"]
     assert sorted(reloaded) == sorted(expected)

@@ -4,6 +4,7 @@ Question: How fast does a pretrained checkpoint load into zero3's shards, agains
 
     python examples/benchmarks/benchmark_load.py                 # ~1B-parameter Llama, bf16 files, 4 ranks, 3 runs
     python examples/benchmarks/benchmark_load.py --quick         # a small model, 1 run (what the test runs)
+    python examples/benchmarks/benchmark_load.py --family mixtral --quick   # a Mixtral (per-expert files)
 
 One checkpoint (``save_pretrained``: bf16 safetensors split into several files with an index, written
 once under ``--dir``) is loaded into a model sharded over ``--ranks`` CPU processes with fp32 masters by:
@@ -25,6 +26,8 @@ the process's own memory; pages of a mapped file are the page cache's and are no
 whole resident set (``VmRSS``), bytes read from the disk (``read_bytes`` of ``/proc/self/io``), and the
 bytes the rank then holds as parameter (and gradient) shards. The bound is the disk's own read speed,
 measured in the same run: the checkpoint's files read cold with ``O_DIRECT`` by ``--ranks`` threads.
+``--family mixtral``: the same for a Mixtral checkpoint (``--experts`` per layer, the Hub's per-expert
+``w1`` / ``w2`` / ``w3`` files that zero3 reads by range into the model's fused experts; no FSDP2 row).
 Every row's model must give the same loss on one batch (the ``check`` column: difference from zero3's).
 Rows are medians over ``--runs``, after one unmeasured load per row of the small checkpoint (the
 program's own files are then in the page cache, as they are after any first run: see ``warm_up``).
@@ -59,15 +62,18 @@ def llama_shape(args) -> dict:
 def make_checkpoint(args) -> Path:
     """The checkpoint every row loads, written once for this shape (kept between runs)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     shape = llama_shape(args)
-    out = Path(args.dir) / "llama-{num_hidden_layers}x{hidden_size}".format(**shape)
+    if args.family == "mixtral":  # the Hub's layout: one w1 / w2 / w3 per expert, fused by the load
+        shape.update(num_local_experts=args.experts, num_experts_per_tok=2)
+    name = {"llama": "Llama", "mixtral": "Mixtral"}[args.family]
+    out = Path(args.dir) / f"{args.family}-{shape['num_hidden_layers']}x{shape['hidden_size']}"
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**shape))
+        model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**shape))
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
@@ -266,6 +272,7 @@ def worker(args) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     # imported before the clock starts, as a program that builds the model has them: every row uses them
     import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.mixtral.modeling_mixtral  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
     import lightning_zero3  # noqa: F401
@@ -314,7 +321,7 @@ def small_shape(args) -> argparse.Namespace:
     """``args`` with the quick run's small Llama (2 layers, hidden 256, vocab 1024, 1 MB files)."""
     small = argparse.Namespace(**vars(args))
     small.layers, small.hidden, small.intermediate, small.heads, small.kv_heads = 2, 256, 512, 4, 2
-    small.vocab, small.shard_size = 1024, "1MB"
+    small.vocab, small.shard_size, small.experts = 1024, "1MB", 4
     return small
 
 
@@ -337,7 +344,7 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
     bandwidth = statistics.median(d["read_GBps"] for d in disk) * 1e9
     bound = checkpoint_bytes / bandwidth
     lines = [
-        f"loading a {args.params / 1e9:.2f}B-parameter Llama ({checkpoint_bytes / 1e9:.2f} GB of bf16 safetensors, "
+        f"loading a {args.params / 1e9:.2f}B-parameter {args.family.capitalize()} ({checkpoint_bytes / 1e9:.2f} GB of bf16 safetensors, "
         f"{args.files} files) into fp32 shards on {args.ranks} CPU ranks; median of {args.runs} run(s)",
         f"disk: {bandwidth / 1e9:.2f} GB/s cold O_DIRECT read with {args.ranks} readers (runs: "
         + ", ".join(f"{d['read_GBps']:.2f}" for d in disk) + f"); bound = checkpoint / disk = {bound:.2f} s",
@@ -388,6 +395,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--family", choices=("llama", "mixtral"), default="llama", help="the checkpoint's model")
+    parser.add_argument("--experts", type=int, default=8, help="Mixtral's experts per layer")
     parser.add_argument("--shard-size", default="500MB", help="save_pretrained's max_shard_size")
     parser.add_argument("--quick", action="store_true", help="a small model and one run")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -413,9 +422,15 @@ def main() -> None:
             sizes += [f.get_slice(k).get_shape() for k in f.keys()]
     args.params = sum(int(__import__("math").prod(s)) for s in sizes)
     args.largest = max(int(__import__("math").prod(s)) for s in sizes) * 4  # the largest tensor, in fp32
+    if args.family == "mixtral":  # the model's largest is a fused one: experts.gate_up_proj
+        args.largest = max(args.largest, args.experts * 2 * args.intermediate * args.hidden * 4)
     args.files = len(files)
     checkpoint_bytes = sum(f.stat().st_size for f in files)
     methods = [m for m in args.methods.split(",") if m]
+    if args.family == "mixtral" and "fsdp2" in methods:  # set_model_state_dict takes the model's own names
+        methods.remove("fsdp2")
+        print("fsdp2 left out: its row loads the checkpoint's names as they are, and a Mixtral checkpoint holds "
+              "one w1 / w2 / w3 per expert where the model has fused experts.gate_up_proj / down_proj", flush=True)
     rows: dict[str, list] = {m: [] for m in methods}
     disk = []
     touch_memory(args.warm_gb)

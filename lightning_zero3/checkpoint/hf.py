@@ -7,8 +7,9 @@ writes: ``config.json`` (and ``generation_config.json`` when the model has one),
 Hugging Face model's own names in safetensors files, one ``model.safetensors`` below ``max_shard_size``,
 else ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json`` mapping every name to
 its file. Tensors are written one at a time as they arrive (gathered unit by unit from a live run, or read
-from a sharded checkpoint), so no process holds the model. A tied weight is stored under each of its
-names (safetensors has no aliases; ``from_pretrained`` takes either).
+from a sharded checkpoint), so no process holds the model. A tied weight is stored once, under the name
+``save_pretrained`` keeps (the model's ``_tied_weights_keys`` dropped, e.g. Gemma's ``lm_head.weight``;
+``from_pretrained`` ties it again); with transformers 4.5x, under each of its names.
 
 The weights are written in the checkpoint's own Hub layout, as ``save_pretrained`` writes them: transformers'
 conversion rules reversed (``to_hub_layout``: Mixtral's fused ``experts.gate_up_proj`` back to one ``w1`` /
@@ -90,6 +91,7 @@ def to_hub_layout(
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4.5x: save_pretrained writes the model's own names
         return entries, values
+    entries = [_untied(model, entry) for entry in entries]
     out: list[TensorEntry] = []
     split: list[bool] = []
     for entry in entries:
@@ -110,6 +112,23 @@ def to_hub_layout(
             yield from (v.contiguous() for v in revert_weight_conversion(model, {entry.names[0]: value}).values())
 
     return out, pieces()
+
+
+def _untied(model: nn.Module, entry: TensorEntry) -> TensorEntry:
+    """``entry`` less the aliases ``save_pretrained`` drops (``remove_tied_weights_from_state_dict``: names that
+    match a ``_tied_weights_keys`` pattern, in sorted order, all but the last of the aliases)."""
+    if len(entry.names) < 2:
+        return entry
+    from transformers.modeling_utils import _get_tied_weight_keys
+
+    patterns = set(_get_tied_weight_keys(model))
+    dropped, found = set(), 0
+    for name in sorted(entry.names):
+        if any(re.search(pattern, name) for pattern in patterns):
+            found += 1
+            if found < len(entry.names):
+                dropped.add(name)
+    return TensorEntry([n for n in entry.names if n not in dropped], entry.shape, entry.dtype) if dropped else entry
 
 
 def parse_size(size: Union[int, str]) -> int:
