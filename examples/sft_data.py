@@ -184,16 +184,19 @@ class JsonlInstructions(pl.LightningDataModule):
         self.train: list = []
         self.val: list = []
 
+    #: the ``finetune_assets`` function that writes the sample file when no ``path`` is given
+    SAMPLE_WRITER = "write_sample_data"
+
     def prepare_data(self) -> None:
         if not self.sample or self.path.is_file():
             return
         try:
-            from examples.finetune_assets import write_sample_data
+            from examples import finetune_assets
         except ImportError:  # run with examples/ itself on the path
-            from finetune_assets import write_sample_data
+            import finetune_assets
 
         staging = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
-        write_sample_data(staging)
+        getattr(finetune_assets, self.SAMPLE_WRITER)(staging)
         os.replace(staging, self.path)
 
     def setup(self, stage: str) -> None:

@@ -17,7 +17,6 @@ own, from ``image_sizes``). Sampling, resume and the validation split are ``Json
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -101,17 +100,7 @@ class ImageConversations(JsonlInstructions):
         super().__init__(path or SAMPLE_IMAGE_DATA, processor, max_length, batch_size, val_fraction)
         self.sample = path is None
 
-    def prepare_data(self) -> None:
-        if not self.sample or self.path.is_file():
-            return
-        try:
-            from examples.finetune_assets import write_sample_images
-        except ImportError:  # run with examples/ itself on the path
-            from finetune_assets import write_sample_images
-
-        staging = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
-        write_sample_images(staging)
-        os.replace(staging, self.path)
+    SAMPLE_WRITER = "write_sample_images"  # prepare_data (JsonlInstructions') writes images and rows
 
     def setup(self, stage: str) -> None:
         from transformers import AutoProcessor
