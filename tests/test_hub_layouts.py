@@ -113,17 +113,7 @@ def _families_case(rank: int, world: int, paths: dict, exports: str) -> dict:
         ddp = nn.parallel.DistributedDataParallel(whole, find_unused_parameters=True)
         optimizers = [torch.optim.AdamW(ddp.parameters(), lr=1e-3),
                       engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))]  # fmt: skip
-        losses = []
-        for step in range(STEPS):
-            pair = []
-            for net, optimizer in zip((ddp, model), optimizers):
-                loss = _loss(net, rank, step)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                pair.append(float(loss))
-            losses.append(pair)
-        out[f"{kind}-losses"] = losses
+        out[f"{kind}-losses"] = _train_side_by_side((ddp, model), optimizers, rank)
         save_full_weights(model, Path(exports) / kind, fmt="hf")  # the checkpoint's own layout back
         if rank == 0:
             whole.save_pretrained(Path(exports) / f"{kind}-save_pretrained")
@@ -133,6 +123,21 @@ def _families_case(rank: int, world: int, paths: dict, exports: str) -> dict:
         out["lora-mixtral"] = _lora_case(rank, paths["mixtral"], Path(exports) / f"lora-adapter-{rank}")
     return out
 
+
+
+def _train_side_by_side(nets, optimizers, rank: int) -> list[list[float]]:
+    """``STEPS`` steps of each net (DDP's, then zero3's) on the same batches: the losses per step, in that order."""
+    losses = []
+    for step in range(STEPS):
+        pair = []
+        for net, optimizer in zip(nets, optimizers):
+            loss = _loss(net, rank, step)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append(float(loss))
+        losses.append(pair)
+    return losses
 
 def lora_config():
     """peft's LoRA on the attention and on the fused experts (``target_parameters``: peft's ``ParamWrapper``
@@ -165,16 +170,7 @@ def _lora_case(rank: int, path: Path, adapter: Path) -> dict:
     adapted = [[p for p in net.parameters() if p.requires_grad] for net in (ddp, model)]
     optimizers = [torch.optim.AdamW(adapted[0], lr=1e-2),
                   engine.shard_optimizer(torch.optim.AdamW(adapted[1], lr=1e-2))]  # fmt: skip
-    losses = []
-    for step in range(STEPS):
-        pair = []
-        for net, optimizer in zip((ddp, model), optimizers):
-            loss = _loss(net, rank, step)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            pair.append(float(loss))
-        losses.append(pair)
+    losses = _train_side_by_side((ddp, model), optimizers, rank)
     full = engine.full_state_dict()
     moved = [k for k in adapters if not torch.equal(full[k], adapters[k])]
     engine.close()
