@@ -207,18 +207,24 @@ class CausalLMFineTune(pl.LightningModule):
                 "sample model written locally."
             )
 
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def pretrained(self, auto_class) -> torch.nn.Module:
+        """``auto_class``'s model for the checkpoint, its weights read in, activation checkpointing as set.
+        Under zero3 this runs on the meta device: the weights are read straight into the shards. fp32
+        masters whatever the checkpoint's dtype (the `precision` flag decides what computes)."""
+        from transformers import AutoConfig
 
-        # under zero3 this runs on the meta device: the weights are read straight into the shards. fp32
-        # masters whatever the checkpoint's dtype (the `precision` flag decides what computes)
-        config = AutoConfig.from_pretrained(self.checkpoint)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class.from_config(AutoConfig.from_pretrained(self.checkpoint), dtype=torch.float32)
         model = lightning_zero3.load_pretrained(model, self.checkpoint)
         if self.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        model = self.pretrained(AutoModelForCausalLM)
         if self.lora is not None:
             from peft import LoraConfig, get_peft_model
 
@@ -328,13 +334,9 @@ class ImageTextFineTune(CausalLMFineTune):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from transformers import AutoConfig, AutoModelForImageTextToText
+        from transformers import AutoModelForImageTextToText
 
-        config = AutoConfig.from_pretrained(self.checkpoint)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-        model = lightning_zero3.load_pretrained(model, self.checkpoint)
+        model = self.pretrained(AutoModelForImageTextToText)
         for name in self.freeze:
             model.get_submodule(name).requires_grad_(False)
-        if self.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
