@@ -78,10 +78,16 @@ def test_load_benchmark_quick_mode_loads_alike_and_reads_the_checkpoint_once(tmp
         losses[method] = run["ranks"][0]["loss"]
         assert all(r["seconds"] > 0 and r["held_bytes"] > 0 for r in run["ranks"])
     assert len(set(losses.values())) == 1, losses
-    # Every rank reading it all would be 2x. The small model's tensors are 2-256 KiB, so the whole 4 KiB
-    # blocks O_DIRECT reads around each rank's piece show (the 1B model of the README reads 1.00x).
+    # Every rank reading it all would be 2x. Parameters under ``persistence_threshold`` (the small model's
+    # attention projections and norms: 0.4M of its 1.7M) are whole on every rank, so each rank reads them
+    # (bf16 in the file); O_DIRECT reads whole 4 KiB blocks around each rank's piece of the 2-256 KiB
+    # tensors (the 1B model of the README, nothing replicated but norms, reads 1.00x). ``read_bytes`` counts
+    # every disk read of the process: on a fresh machine, pages of the program's own files that the warm-up
+    # left cold add up to 1 MiB (0.5 MiB seen), against the 3.4 MiB a second full read would add.
     zero3 = rows["zero3"][0]["ranks"]
-    assert sum(r["read_bytes"] for r in zero3) <= 1.4 * checkpoint
+    replicated = zero3[0]["replicated_elements"] * 2
+    once = checkpoint + (len(zero3) - 1) * replicated
+    assert sum(r["read_bytes"] for r in zero3) <= 1.1 * once + 2**20 < len(zero3) * checkpoint
     assert "x bound" in done.stdout and "zero3" in done.stdout
 
 

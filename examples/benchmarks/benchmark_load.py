@@ -287,6 +287,8 @@ def worker(args) -> None:
     seconds = time.perf_counter() - start
     figures = {"seconds": seconds, "read_bytes": read_bytes() - io_before, **sampler.stop(),
                "held_bytes": _held_bytes(args.worker, model, engine)}  # fmt: skip
+    if args.worker.startswith("zero3"):  # parameters under persistence_threshold: whole on every rank
+        figures["replicated_elements"] = engine.memory_report()["persistent_params"] // 4  # fp32 masters
     figures["loss"] = _loss_check(args.worker, model, engine, args.vocab)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, figures)

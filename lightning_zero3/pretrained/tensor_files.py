@@ -171,7 +171,10 @@ def _open_index(index: Path) -> Checkpoint:
 def _safetensors_tensors(path: Path, file: CheckpointFile) -> dict[str, FileTensor]:
     """The tensors of a safetensors file, from its header, every offset checked against the file's size."""
     size = path.stat().st_size
-    with open(path, "rb") as stream:
+    with open(path, "rb", buffering=0) as stream:
+        # no read-ahead: the kernel would read up to the disk's window (MBs) of tensor data past the header
+        # on every rank, the bytes the ranged reads exist to avoid
+        os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         head = stream.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if length < 0 or length > min(MAX_HEADER, size - 8):
