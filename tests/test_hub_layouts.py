@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.conversion_mapping")
 
 from lightning_zero3 import CheckpointMismatchError, Zero3Config, Zero3Engine, load_pretrained, save_full_weights  # noqa: E402
+from lightning_zero3.engine.layout.materialize import parameters_on_meta  # noqa: E402
 from lightning_zero3.pretrained import tensor_files  # noqa: E402
 
 T = transformers
@@ -120,7 +121,7 @@ def _families_case(rank: int, world: int, paths: dict, exports: str) -> dict:
         out[f"{kind}-trained"] = {k: v.clone() for k, v in engine.full_state_dict().items()}
         engine.close()
     if "mixtral" in paths:  # the same job: LoRA on the sliced Mixtral
-        out["lora-mixtral"] = _lora_case(rank, paths["mixtral"], Path(exports) / f"lora-adapter-{rank}")
+        out["lora-mixtral"] = _lora_case(rank, paths["mixtral"])
     return out
 
 
@@ -148,20 +149,24 @@ def lora_config():
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
 
 
-def _lora_case(rank: int, path: Path, adapter: Path) -> dict:
-    """LoRA adapters on a sliced Mixtral under zero3 train with DDP's losses, both from the same new adapters
-    (peft's init, saved with peft's ``save_pretrained`` and read into the shards, as the fine-tuning job's
-    ``lora.adapter`` does)."""
+def _lora_case(rank: int, path: Path) -> dict:
+    """New LoRA adapters on a sliced Mixtral under zero3. Built as ``configure_model`` builds them (inside
+    ``parameters_on_meta()``, the base read by ``load_pretrained``), they hold the numbers peft draws in an
+    eager build with the same seed, and train with DDP's losses. Built under a plain ``torch.device("meta")``
+    (nothing recorded), each half gets peft's rule as its unit is built, though the two halves of an
+    adapter fall in different units (``SMALL_UNITS``): ``lora_B`` zero, ``lora_A`` drawn."""
     from peft import get_peft_model
 
+    config = T.AutoConfig.from_pretrained(path)
+    pretrained = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     torch.manual_seed(1)
-    whole = get_peft_model(T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora_config())
-    whole.save_pretrained(adapter)
-    with torch.device("meta"):
-        model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(path), dtype=torch.float32)
-    load_pretrained(model, path)
-    model = get_peft_model(model, lora_config())
-    load_pretrained(model, adapter)  # the LoRA tensors only
+    whole = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    whole.load_state_dict(pretrained)
+    whole = get_peft_model(whole, lora_config())
+    torch.manual_seed(1)
+    with parameters_on_meta():
+        model = get_peft_model(load_pretrained(T.AutoModelForCausalLM.from_config(config, dtype=torch.float32), path),
+                               lora_config())  # fmt: skip
     engine = Zero3Engine(model, SMALL_UNITS, device=torch.device("cpu"))
     full = engine.full_state_dict()
     adapters = {k: v.clone() for k, v in whole.state_dict().items() if "lora_" in k}
@@ -174,7 +179,14 @@ def _lora_case(rank: int, path: Path, adapter: Path) -> dict:
     full = engine.full_state_dict()
     moved = [k for k in adapters if not torch.equal(full[k], adapters[k])]
     engine.close()
-    return {"losses": losses, "adapters": sorted(adapters), "missing": sorted(missing), "moved": moved}
+    with torch.device("meta"):
+        plain = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain = get_peft_model(load_pretrained(plain, path), lora_config())
+    plain_engine = Zero3Engine(plain, SMALL_UNITS, device=torch.device("cpu"))
+    plain_adapters = {k: v for k, v in plain_engine.full_state_dict().items() if "lora_" in k}
+    plain_engine.close()
+    return {"losses": losses, "adapters": sorted(adapters), "missing": sorted(missing), "moved": moved,
+            "plain": {k: (v.abs().sum().item(), v.shape == adapters[k].shape) for k, v in plain_adapters.items()}}  # fmt: skip
 
 
 def _file_tensors(path: Path) -> dict:
@@ -203,7 +215,7 @@ def test_a_hub_checkpoint_loads_sliced_and_trains_with_ddps_losses(kind, trained
     print(kind, [r[f"{kind}-losses"] for r in trained], [(r[f"{kind}-read"], r[f"{kind}-total"]) for r in trained])
 
 
-def test_lora_on_the_sliced_mixtrals_attention_and_fused_experts_trains_with_ddps_losses(trained):
+def test_new_lora_adapters_on_the_sliced_mixtrals_attention_and_fused_experts_train_with_ddps_losses(trained):
     pytest.importorskip("peft")
     for rank, result in enumerate(trained["ranks"]):
         lora = result["lora-mixtral"]
@@ -212,6 +224,8 @@ def test_lora_on_the_sliced_mixtrals_attention_and_fused_experts_trains_with_ddp
         assert set(lora["moved"]) == set(lora["adapters"])  # every adapter trained
         for ddp, zero3 in lora["losses"]:
             assert zero3 == pytest.approx(ddp, rel=1e-6)
+        assert set(lora["plain"]) == set(lora["adapters"]) and all(same for _, same in lora["plain"].values())
+        assert all((total == 0) == ("lora_B" in k) for k, (total, _) in lora["plain"].items()), lora["plain"]
     print("lora-mixtral", [r["lora-mixtral"]["losses"] for r in trained["ranks"]])
 
 
@@ -272,3 +286,17 @@ def test_a_missing_expert_and_an_unsliceable_rule_fail_before_any_weight_changes
         load_pretrained(model, source)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert json.loads((source / "config.json").read_text())["model_type"] == "mixtral"
+
+
+def test_a_lora_init_that_reads_the_base_weights_is_refused_naming_the_way_out():
+    """PiSSA, OLoRA and the other rules computed from the base weights cannot run while a meta-built model
+    is sharded (the base is not there): the error names the setting and the saved-adapter way."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_zero3.engine.layout.initialisers import library_initialisers
+
+    with torch.device("meta"):
+        model = get_peft_model(tiny_model("mistral"), LoraConfig(r=2, target_modules=["q_proj"]))
+    model.peft_config["default"].init_lora_weights = "olora"
+    with pytest.raises(ValueError, match=r"init_lora_weights='olora'.*load_pretrained"):
+        library_initialisers(model)  # every rank's Materializer asks for them before any unit is built

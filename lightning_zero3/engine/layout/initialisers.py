@@ -6,7 +6,7 @@ from libraries initialise more than that, after construction, in code the meta d
   normal(0, ``initializer_range``) weights, and the rotary embeddings' ``inv_freq`` buffers, which
   are computed, not learned, and not in any checkpoint (left at zeros, every position would look alike);
 - peft's LoRA layers zero ``lora_B`` (so the adapted model starts as the base model) and draw
-  ``lora_A``: ``LoraLayer.reset_lora_parameters(adapter, init_lora_weights)``.
+  ``lora_A``: ``LoraLayer.reset_lora_parameters(adapter, init_lora_weights)``, applied here half by half.
 Each initialiser here takes the modules being initialised at once (see ``materialize.py``) and applies
 its library's own rule to those that belong to it. Libraries are looked for only when the program has
 imported them.
@@ -22,6 +22,7 @@ begin after every constructor's ``reset_parameters()`` drew, which a meta build 
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Callable
 
@@ -65,19 +66,52 @@ def _lora(root: nn.Module) -> list[Initialiser]:
     settings = {}  # adapter name -> its init_lora_weights, from the LoRA model's own configs
     for model in (m for m in root.modules() if isinstance(m, LoraModel)):
         settings.update({name: config.init_lora_weights for name, config in model.peft_config.items()})
-    adapters: dict[int, tuple[LoraLayer, str]] = {}  # id(lora_A / lora_B module) -> (layer, adapter)
+    halves: dict[int, tuple[str, LoraLayer, str]] = {}  # id(module holding a half) -> (half, layer, adapter)
     for layer in (m for m in root.modules() if isinstance(m, LoraLayer)):
-        for table in (layer.lora_A, layer.lora_B):
-            for name, module in table.items():
-                adapters[id(module)] = (layer, name)
-    if not adapters:
+        for half, table in (("A", layer.lora_A), ("B", layer.lora_B)):
+            halves.update({id(module): (half, layer, name) for name, module in table.items()})
+        for half, table in (("embedding A", layer.lora_embedding_A), ("embedding B", layer.lora_embedding_B)):
+            halves.update({id(table): (half, layer, name) for name in table.keys()})
+    if not halves:
         return []
+    for layer in {id(layer): layer for _, layer, _ in halves.values()}.values():
+        for name in layer.r:
+            tables = [table[name] for table in (layer.lora_A, layer.lora_B) if name in table]
+            unbuilt = any(p.is_meta for half in tables for p in half.parameters())
+            if unbuilt and settings.get(name, True) not in (True, False, "gaussian"):
+                raise ValueError(  # on every rank, before any unit is built
+                    f"zero3: LoRA init_lora_weights={settings[name]!r} (adapter {name!r}) computes the adapters from "
+                    "the base weights, which a model built on the meta device does not have while it is being "
+                    "sharded. Initialise the adapters once without zero3 and save them "
+                    "(`PeftModel.save_pretrained(dir)`), then build with init_lora_weights=True and read them in with `lightning_zero3.load_pretrained(model, dir)`."
+                )
 
     def initialise(modules: list[nn.Module]) -> None:
-        touched = {adapters[id(m)] for m in modules if id(m) in adapters}
-        for layer, name in touched:
-            pair = [layer.lora_A[name], layer.lora_B[name]]
-            if not any(p.is_meta for m in pair for p in m.parameters()):  # both halves built
-                layer.reset_lora_parameters(name, settings.get(name, True))
+        for module in modules:
+            if id(module) in halves:
+                half, layer, name = halves[id(module)]
+                _init_lora_half(module, half, layer, name, settings.get(name, True))
 
     return [initialise]
+
+
+def _init_lora_half(module: nn.Module, half: str, layer: nn.Module, adapter: str, rule) -> None:
+    """peft's ``reset_lora_parameters`` for one half of an adapter, alone.
+
+    The two halves of an adapter may fall in different units, so one may be built (and released to its
+    shards) before the other: each half gets peft's rule for it when it is built, never touching the other.
+    (The rules that read the base weights, PiSSA, OLoRA, LoftQ and the like, were refused by ``_lora``.)"""
+    if rule is False:  # peft keeps the layers' own init: the ``reset_parameters()`` that ran before this
+        return
+    if half == "A":
+        if rule is True:  # as nn.Linear's own default
+            nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        else:
+            nn.init.normal_(module.weight, std=1 / layer.r[adapter])
+    elif half == "B":  # zero: the adapted model starts as the base model
+        for p in module.parameters(recurse=False):
+            nn.init.zeros_(p)
+    elif half == "embedding A":
+        nn.init.zeros_(module[adapter])
+    else:
+        nn.init.normal_(module[adapter])
