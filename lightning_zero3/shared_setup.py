@@ -24,6 +24,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
@@ -191,13 +192,20 @@ class ProcessesMixin:
 
 def init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
     """The module's ``init_weights(module)``, the custom init for modules built on the meta device whose
-    construction did not set their parameters (see [Note: eager construction replayed] in engine/materialize.py)."""
+    construction did not set their parameters (see [Note: eager construction replayed] in engine/materialize.py).
+
+    A LightningModule's must take the module (the Trainer's convention: a wrong signature is an error). A
+    plain model under Fabric may have an ``init_weights`` of its own meaning: Hugging Face's ``init_weights()``
+    initialises the whole model, which zero3 already does module by module through ``_init_weights``; so
+    there only a one-argument ``init_weights`` is taken as the hook."""
     hook = getattr(module, "init_weights", None)
     if hook is None:
         return None
     try:
         inspect.signature(hook).bind(module)
     except (TypeError, ValueError):
+        if not isinstance(module, LightningModule):
+            return None
         raise TypeError(
             f"zero3: `{type(module).__name__}.init_weights` must take one argument, the module to initialise "
             "(it is called for every module built on the meta device, after its reset_parameters())."

@@ -38,12 +38,15 @@ def test_nothing_of_zero3_runs_on_into_the_interpreters_exit(fabric_out):
     assert all(record == {"watchdogs": [], "gloo_threads": 0} for record in records), records
 
 
-@pytest.mark.parametrize("case", ["clip", "accum", "raw", "seeded"])
+@pytest.mark.parametrize("case", ["clip", "accum", "raw", "seeded", "hub"])
 def test_fabric_zero3_losses_equal_fabric_ddps(ranks, case):
     """Clipping by the global norm, accumulation under ``no_backward_sync``, a model built with
-    ``init_module(empty_init=True)`` whose weights come from ``fabric.load_raw`` of a plain state dict, and
-    one so built that starts from its seeded initialisation."""
+    ``init_module(empty_init=True)`` whose weights come from ``fabric.load_raw`` of a plain state dict, one
+    so built that starts from its seeded initialisation, and a Hub-layout Mixtral (per-expert tensors in the
+    file, fused experts in the model) read by ``load_pretrained`` against DDP's ``from_pretrained``."""
     for result in ranks:
+        if case == "hub":
+            assert result["hub-zero3"]["per_expert_file"]
         zero3, ddp = result[f"{case}-zero3"]["losses"], result[f"{case}-ddp"]["losses"]
         assert len(zero3) == len(ddp) >= 3
         assert zero3 == pytest.approx(ddp, rel=LOSS_RTOL, abs=0)
@@ -94,3 +97,29 @@ def test_the_names_are_in_fabrics_registry_and_settings_and_flags_are_checked():
     with pytest.raises(UnsupportedPrecisionError, match="reduce_dtype='fp16'"):
         Fabric(strategy=Zero3FabricStrategy(reduce_dtype="fp16"), accelerator="cpu", devices=1, precision="bf16-mixed")
     assert lightning_zero3.Zero3FabricStrategy.strategy_name == "zero3"
+
+
+def test_init_weights_is_zero3s_hook_when_it_takes_the_module():
+    """A LightningModule's ``init_weights`` must take the module; a plain model's zero-argument one (Hugging
+    Face's whole-model ``init_weights()``, which a Fabric user's model has) is its own, not zero3's hook."""
+    import lightning.pytorch as pl
+
+    from lightning_zero3.shared_setup import init_hook
+
+    class Hooked(pl.LightningModule):
+        def init_weights(self, module):
+            pass
+
+    class Wrong(pl.LightningModule):
+        def init_weights(self):
+            pass
+
+    class HubLike(torch.nn.Module):
+        def init_weights(self):
+            pass
+
+    hooked = Hooked()
+    assert init_hook(hooked) == hooked.init_weights
+    assert init_hook(HubLike()) is None
+    with pytest.raises(TypeError, match="init_weights` must take one argument"):
+        init_hook(Wrong())

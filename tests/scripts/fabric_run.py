@@ -9,6 +9,9 @@ Cases (every one run under both strategies from the same weights, except where s
   seeded   ``seed_everything(0)`` and the model built with ``init_module(empty_init=True)`` (under
            DDP ``empty_init=False``: its empty init leaves the weights unset): the weights it starts
            from, the generator's state after ``setup``, then 3 steps
+  hub      a tiny Mixtral saved as the Hub has it (per-expert tensors); zero3 builds it under
+           ``init_module(empty_init=True)`` and ``load_pretrained`` reads each rank's slices into the fused
+           experts, DDP (``find_unused_parameters``) loads it with ``from_pretrained``; then 3 steps
   resume   zero3 only, per checkpoint format: 3 steps, ``fabric.save``, 3 more; then a new model and
            optimizer, ``fabric.load``, the same 3 steps again
 """
@@ -41,8 +44,8 @@ def batches(rank: int, count: int):
     return [(x[i : i + 4], y[i : i + 4]) for i in range(rank * 4, 4 * count * 2, 8)][:count]
 
 
-def new_fabric(name: str, **settings) -> Fabric:
-    strategy = lightning_zero3.Zero3FabricStrategy(**{**SMALL_UNITS, **settings}) if name == "zero3" else name
+def new_fabric(name: str, ddp: str = "ddp", **settings) -> Fabric:
+    strategy = lightning_zero3.Zero3FabricStrategy(**{**SMALL_UNITS, **settings}) if name == "zero3" else ddp
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()
     return fabric
@@ -123,6 +126,39 @@ def run_seeded(name: str) -> dict:
     return {"start": start, "rng": rng, "losses": losses}
 
 
+def run_hub(name: str, out: Path) -> dict:
+    import transformers as T
+    from safetensors import safe_open
+
+    fabric = new_fabric(name, ddp="ddp_find_unused_parameters_true")  # DDP: experts no token chose
+    path = out / "mixtral"
+    if fabric.global_rank == 0 and not path.exists():
+        torch.manual_seed(0)
+        T.MixtralForCausalLM(T.MixtralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        )).save_pretrained(path)  # fmt: skip
+    fabric.barrier()
+    with safe_open(path / "model.safetensors", "pt") as file:
+        per_expert = any(".experts.0.w1." in key for key in file.keys())
+    if name == "zero3":
+        with fabric.init_module(empty_init=True):
+            model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(path), dtype=torch.float32)
+        lightning_zero3.load_pretrained(model, path)
+    else:
+        model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    losses = []
+    for x, _ in batches(fabric.global_rank, 3):
+        loss = model(input_ids=x, labels=x).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "per_expert_file": per_expert}
+
+
 def run_resume(fmt: str, out: Path) -> dict:
     fabric = new_fabric("zero3", checkpoint_format=fmt)
     data = batches(fabric.global_rank, 6)
@@ -162,6 +198,7 @@ def main() -> None:
         results[f"accum-{name}"] = run_accum(name)
         results[f"raw-{name}"] = run_raw(name, out)
         results[f"seeded-{name}"] = run_seeded(name)
+        results[f"hub-{name}"] = run_hub(name, out)
     for fmt in ("sharded", "full"):
         results[f"resume-{fmt}"] = run_resume(fmt, out)
     # a full checkpoint is Fabric DDP's own file: DDP loads it
