@@ -441,9 +441,9 @@ def return_free_heap() -> None:
     glibc's heap, which only shrinks from its top: small long-lived allocations made in between pin it, and
     the freed space in the middle stays resident (a loop over 20 units that initialises each with two 4 MB
     temporaries left 85 MB of free heap resident, measured). The engine calls this where a phase ends
-    (after ``fit``, a ``gathered_parameters`` block, a checkpoint; after every optimizer step only for runs
-    sized by their host memory, see the next note): the allocator's policy is
-    untouched, the free pages just leave. It costs about 10-20 ms on a heap of a few hundred MB.
+    (after a model is built on the meta device, ``fit``, a ``gathered_parameters`` block, a checkpoint;
+    after every optimizer step only for runs sized by their host memory, see the next note): the
+    allocator's policy is untouched, the free pages just leave. It costs about 10-20 ms on a heap of a few hundred MB.
 
     [Note: the heap between steps]
     Between two training steps the free heap is mostly the last step's activations, which the next step
