@@ -24,7 +24,10 @@ files: nothing else on the machine is touched), so every row reads the disk. Per
 time (from a barrier to a barrier), the peak growth of anonymous memory (``RssAnon``, sampled every 5 ms:
 the process's own memory; pages of a mapped file are the page cache's and are not counted) and of the
 whole resident set (``VmRSS``), bytes read from the disk (``read_bytes`` of ``/proc/self/io``), and the
-bytes the rank then holds as parameter (and gradient) shards. The bound is the disk's own read speed,
+bytes the rank then holds as parameter (and gradient) shards. zero3's time includes building the model as
+``configure_model`` does (``of it, build s``), which draws the numbers of an eager build's initialisation
+on scratch memory on every rank, so a seeded run starts where DDP's does: on the host here (on a GPU, on
+the device). The bound is the disk's own read speed,
 measured in the same run: the checkpoint's files read cold with ``O_DIRECT`` by ``--ranks`` threads.
 ``--family mixtral``: the same for a Mixtral checkpoint (``--experts`` per layer, the Hub's per-expert
 ``w1`` / ``w2`` / ``w3`` files that zero3 reads by range into the model's fused experts; no FSDP2 row).
@@ -177,6 +180,9 @@ def read_bytes() -> int:
     return 0
 
 
+PHASES: dict[str, float] = {}  # when a row's model was built (zero3's: the rest of its time is the load)
+
+
 def _load_zero3(checkpoint: Path, world: int):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -186,6 +192,7 @@ def _load_zero3(checkpoint: Path, world: int):
 
     with parameters_on_meta():  # what configure_model runs in under zero3
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)
+    PHASES["built"] = time.perf_counter()  # the build draws eager's init on scratch, on every rank
     lightning_zero3.load_pretrained(model, checkpoint)
     engine = lightning_zero3.Zero3Engine(model, lightning_zero3.Zero3Config(tune_collectives=False), device=torch.device("cpu"))
     return model, engine
@@ -287,6 +294,8 @@ def worker(args) -> None:
     seconds = time.perf_counter() - start
     figures = {"seconds": seconds, "read_bytes": read_bytes() - io_before, **sampler.stop(),
                "held_bytes": _held_bytes(args.worker, model, engine)}  # fmt: skip
+    if "built" in PHASES:
+        figures["build_seconds"] = PHASES["built"] - start
     if args.worker.startswith("zero3"):  # parameters under persistence_threshold: whole on every rank
         figures["replicated_elements"] = engine.memory_report()["persistent_params"] // 4  # fp32 masters
     figures["loss"] = _loss_check(args.worker, model, engine, args.vocab)
@@ -351,9 +360,9 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
         f"disk: {bandwidth / 1e9:.2f} GB/s cold O_DIRECT read with {args.ranks} readers (runs: "
         + ", ".join(f"{d['read_GBps']:.2f}" for d in disk) + f"); bound = checkpoint / disk = {bound:.2f} s",
         "",
-        "method          | load s | x bound | x zero3 | read GB (sum, x ckpt) | RssAnon growth GiB/rank (max) | "
+        "method          | load s | of it, build s | x bound | x zero3 | read GB (sum, x ckpt) | RssAnon growth GiB/rank (max) | "
         "VmRSS growth GiB/rank (max) | held GiB/rank | anon / (held + largest) | check",
-        "----------------+--------+---------+---------+-----------------------+-------------------------------+"
+        "----------------+--------+----------------+---------+---------+-----------------------+-------------------------------+"
         "-----------------------------+---------------+-------------------------+------",
     ]
     medians = {}
@@ -366,6 +375,7 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
         med = lambda f: statistics.median(f(ranks) for ranks in per_run)  # noqa: E731
         medians[method] = {
             "seconds": med(lambda ranks: max(r["seconds"] for r in ranks)),
+            "build": med(lambda ranks: max(r.get("build_seconds", float("nan")) for r in ranks)),
             "read": med(lambda ranks: sum(r["read_bytes"] for r in ranks)),
             "anon": med(lambda ranks: max(r["RssAnon_growth"] for r in ranks)),
             "rss": med(lambda ranks: max(r["VmRSS_growth"] for r in ranks)),
@@ -377,7 +387,7 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
         versus = f"{m['seconds'] / base['seconds']:.2f}" if base else "-"
         check = f"{m['loss'] - base['loss']:+.1e}" if base else "-"
         lines.append(
-            f"{method:<15} | {m['seconds']:6.2f} | {m['seconds'] / bound:7.2f} | {versus:>7} | "
+            f"{method:<15} | {m['seconds']:6.2f} | {m['build']:14.2f} | {m['seconds'] / bound:7.2f} | {versus:>7} | "
             f"{m['read'] / 1e9:8.2f} ({m['read'] / checkpoint_bytes:4.2f}x)       | {m['anon'] / 2**30:29.2f} | "
             f"{m['rss'] / 2**30:27.2f} | {m['held'] / 2**30:13.2f} | "
             f"{m['anon'] / (m['held'] + args.largest):23.2f} | {check}"

@@ -79,10 +79,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..memory.buffers import return_free_heap
+from ..memory.buffers import host_buffer, return_free_heap
 from .initialisers import library_initialisers
 
 InitFn = Callable[[nn.Module], None]
+SCRATCH_MAPPED = 1 << 20  # host scratch of at least this many bytes is a memory map of its own
 CONSTRUCTION = "_zero3_construction"  # the attribute a recorded meta parameter carries its Construction in
 
 
@@ -369,6 +370,11 @@ class _Recorder(TorchDispatchMode):
             return a
         entry = self.params.get(_storage(a))
         device = entry[1].device if entry is not None else self.device
+        span = 1 + sum((n - 1) * s for n, s in zip(a.size(), a.stride())) if a.numel() else 0
+        if device.type == "cpu" and span * a.element_size() >= SCRATCH_MAPPED:
+            # a map of its own, unmapped when the draw is done: from glibc's heap, the freed scratch of a
+            # Llama's layers stayed resident while the next were built (1.5 GB per rank of a 1B model)
+            return host_buffer(span, a.dtype).as_strided(a.size(), a.stride())
         return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=device)
 
     def _note_values(self, func, args, kwargs, out) -> None:
