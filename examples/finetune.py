@@ -28,6 +28,7 @@ import math
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -81,22 +82,38 @@ def make_pretrained(directory: str, shape: TinyLlama, seed: int = 0) -> Path:
     if _kept(out, shape, "make_pretrained"):
         return out
     torch.manual_seed(seed)
-    staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
-    try:
-        try:
-            from examples.finetune_assets import train_tokenizer
-        except ImportError:  # run with examples/ itself on the path
-            from finetune_assets import train_tokenizer
-
-        tokenizer = train_tokenizer(staging)  # a real subword tokenizer, trained here (no download)
-        config = LlamaConfig(**{**asdict(shape), "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
-                                "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})  # fmt: skip
+    with _written_whole(out) as staging:
+        tokenizer = _train_tokenizer(staging)  # a real subword tokenizer, trained here (no download)
+        config = LlamaConfig(**_llama_settings(shape, tokenizer))
         model = LlamaForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(staging)
+    return out
+
+
+@contextmanager
+def _written_whole(out: Path):
+    """A staging directory beside ``out``, moved to ``out`` when the block ends without an error (removed
+    otherwise): a directory at ``out`` is always complete."""
+    staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        yield staging
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out
+
+
+def _train_tokenizer(directory: Path):
+    try:
+        from examples.finetune_assets import train_tokenizer
+    except ImportError:  # run with examples/ itself on the path
+        from finetune_assets import train_tokenizer
+    return train_tokenizer(directory)
+
+
+def _llama_settings(shape: TinyLlama, tokenizer) -> dict:
+    """A ``LlamaConfig``'s arguments: ``shape``, and the vocabulary and special tokens of ``tokenizer``."""
+    return {**asdict(shape), "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
 
 
 def _kept(out: Path, shape: TinyLlama, caller: str, section: Optional[str] = None) -> bool:
@@ -127,14 +144,8 @@ def make_llava_next(directory: str, text: TinyLlama, seed: int = 0) -> Path:
     if _kept(out, text, "make_llava_next", section="text_config"):
         return out
     torch.manual_seed(seed)
-    staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:8]}")
-    try:
-        try:
-            from examples.finetune_assets import train_tokenizer
-        except ImportError:  # run with examples/ itself on the path
-            from finetune_assets import train_tokenizer
-
-        tokenizer = train_tokenizer(staging)
+    with _written_whole(out) as staging:
+        tokenizer = _train_tokenizer(staging)
         tokenizer.add_tokens(["<image>"], special_tokens=True)
         grid = [[32, 32], [32, 64]]
         # transformers 5 names the PIL backend apart (its default one needs torchvision); 4.x's is PIL's
@@ -147,15 +158,11 @@ def make_llava_next(directory: str, text: TinyLlama, seed: int = 0) -> Path:
                                          chat_template=tokenizer.chat_template)  # fmt: skip
         vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     image_size=32, patch_size=8, projection_dim=32)  # fmt: skip
-        language = T.LlamaConfig(**{**asdict(text), "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
-                                    "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})  # fmt: skip
+        language = T.LlamaConfig(**_llama_settings(text, tokenizer))
         config = T.LlavaNextConfig(vision_config=vision, text_config=language, image_grid_pinpoints=grid,
                                    image_token_index=tokenizer.convert_tokens_to_ids("<image>"))  # fmt: skip
         T.LlavaNextForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(staging)
         processor.save_pretrained(staging)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

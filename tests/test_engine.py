@@ -202,18 +202,9 @@ def _twice_case(rank: int, world: int, policy) -> dict:
     # weight_decay=0: an unused parameter gets a zero gradient under zero3 and none under DDP
     opt_ref = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.0)
     opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0))
-    losses = []
     g = torch.Generator().manual_seed(rank)
-    for _ in range(4):
-        x = torch.randint(0, 64, (4, 8), generator=g)
-        pair = []
-        for net, optimizer in ((ddp, opt_ref), (model, opt)):
-            loss = _loss(net, x, x)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            pair.append(float(loss))
-        losses.append(pair)
+    xs = [torch.randint(0, 64, (4, 8), generator=g) for _ in range(4)]
+    losses = side_by_side((ddp, model), (opt_ref, opt), 4, lambda net, step: _loss(net, xs[step], xs[step]))
     units = list(engine.unit_sizes())
     engine.close()
     diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
@@ -394,19 +385,24 @@ def test_ranks_running_different_units_fail_with_the_modules_named_not_a_hang():
         assert "'blocks.0', 'blocks.1'" in message
 
 
-def train_side_by_side(nets, optimizers, rank: int, world: int, steps: int = 3, cfg: GPTConfig = CFG) -> list:
-    """``steps`` steps of each net on the same batches; per step, the losses in the order of ``nets``."""
+def side_by_side(nets, optimizers, steps: int, loss_of) -> list:
+    """``steps`` steps of each net, ``loss_of(net, step)`` its loss; per step, the losses in the order of ``nets``."""
     losses = []
     for step in range(steps):
         pair = []
         for net, optimizer in zip(nets, optimizers):
-            loss = _loss(net, *_batch(rank, world, step, cfg))
+            loss = loss_of(net, step)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             pair.append(float(loss))
         losses.append(pair)
     return losses
+
+
+def train_side_by_side(nets, optimizers, rank: int, world: int, steps: int = 3, cfg: GPTConfig = CFG) -> list:
+    """``steps`` steps of each net on the same batches of the example GPT (``side_by_side``)."""
+    return side_by_side(nets, optimizers, steps, lambda net, step: _loss(net, *_batch(rank, world, step, cfg)))
 
 
 def _prefetch_case(rank: int, world: int, overlap: bool) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
+from test_engine import side_by_side
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -128,17 +129,8 @@ def _families_case(rank: int, world: int, paths: dict, exports: str) -> dict:
 
 def _train_side_by_side(nets, optimizers, rank: int) -> list[list[float]]:
     """``STEPS`` steps of each net (DDP's, then zero3's) on the same batches: the losses per step, in that order."""
-    losses = []
-    for step in range(STEPS):
-        pair = []
-        for net, optimizer in zip(nets, optimizers):
-            loss = _loss(net, rank, step)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            pair.append(float(loss))
-        losses.append(pair)
-    return losses
+    return side_by_side(nets, optimizers, STEPS, lambda net, step: _loss(net, rank, step))
+
 
 def lora_config():
     """peft's LoRA on the attention and on the fused experts (``target_parameters``: peft's ``ParamWrapper``
