@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_zero3 import Zero3Config, Zero3Strategy
 from lightning_zero3.cli import build_cli, main
-from lightning_zero3.knobs import field_docs
+from lightning_zero3.config.knobs import field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("gpt_*.yaml"))  # whole configs; the others are overlays

@@ -590,7 +590,7 @@ def test_a_unit_policy_that_selects_nothing_fails_naming_it_and_the_repeating_cl
 
 def _close_with_an_engine_alive(rank: int, world: int) -> dict:
     from lightning_zero3 import close_process_groups
-    from lightning_zero3.engine.comm.process_exit import gloo_threads
+    from lightning_zero3.engine.failure.process_exit import gloo_threads
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32))

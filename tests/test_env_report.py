@@ -10,7 +10,7 @@ import lightning
 import torch
 
 from lightning_zero3.cli import main
-from lightning_zero3.env_report import collect, format_report
+from lightning_zero3.cli.env import collect, format_report
 
 
 def test_env_reports_versions_devices_and_the_nvme_path(tmp_path):

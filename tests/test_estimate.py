@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zero3.estimate.command import run
+from lightning_zero3.cli.estimate.command import run
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_JOB = ROOT / "examples" / "configs" / "gpt_zero3.yaml"

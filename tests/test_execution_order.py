@@ -17,7 +17,7 @@ from routing_models import SkippingModel
 
 from lightning_zero3 import Zero3Config, Zero3Engine
 from lightning_zero3.engine.comm.agreement import ExecutionOrderError, OrderCheck
-from lightning_zero3.engine.comm.watchdog import Watchdog
+from lightning_zero3.engine.failure.watchdog import Watchdog
 from lightning_zero3.engine.grads import reduction as grads
 
 

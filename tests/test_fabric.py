@@ -104,7 +104,7 @@ def test_init_weights_is_zero3s_hook_when_it_takes_the_module():
     Face's whole-model ``init_weights()``, which a Fabric user's model has) is its own, not zero3's hook."""
     import lightning.pytorch as pl
 
-    from lightning_zero3.shared_setup import init_hook
+    from lightning_zero3.frontends.shared_setup import init_hook
 
     class Hooked(pl.LightningModule):
         def init_weights(self, module):

@@ -18,7 +18,7 @@ from distributed import free_port
 
 from lightning_zero3.checkpoint.atomic import read_manifest
 from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
-from lightning_zero3.engine.comm.watchdog import process_alive
+from lightning_zero3.engine.failure.watchdog import process_alive
 
 SCRIPT = Path(__file__).parent / "scripts" / "faults_run.py"
 TIMEOUT_S = 20  # the strategy's `timeout` in the script

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from distributed import free_port
-from lightning_zero3.engine.comm.watchdog import process_alive
+from lightning_zero3.engine.failure.watchdog import process_alive
 
 from lightning_zero3 import Zero3Config
-from lightning_zero3.engine.comm.hang_check import HANG, HangCheck
+from lightning_zero3.engine.failure.hang_check import HANG, HangCheck
 from lightning_zero3.errors import Zero3ConfigError
 
 SCRIPT = Path(__file__).parent / "scripts" / "hangs_run.py"
@@ -229,7 +229,7 @@ def test_hang_settings_take_durations_or_seconds_and_refuse_the_rest():
 
 def test_sigterm_is_seen_by_the_watchdog_thread_and_told_to_the_other_ranks(capfd):
     import torch.distributed as dist
-    from lightning_zero3.engine.comm.watchdog import Watchdog
+    from lightning_zero3.engine.failure.watchdog import Watchdog
 
     store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
     watchdog = Watchdog(store, rank=0, world_size=2, timeout=timedelta(seconds=4))

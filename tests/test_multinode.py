@@ -14,7 +14,7 @@ import pytest
 from checkpoint_files import assert_sharded_layout
 from multinode import slurm_nodes, torchrun_nodes
 
-from lightning_zero3.cpu_threads import CoreSet, ranks_sharing, threads_per_rank
+from lightning_zero3.frontends.cpu_threads import CoreSet, ranks_sharing, threads_per_rank
 
 SCRIPT = Path(__file__).parent / "scripts" / "multinode_run.py"
 NODES, PER_NODE = 2, 2

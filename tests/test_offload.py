@@ -451,7 +451,7 @@ def test_offload_names_are_registered(flavour):
         config = trainer.strategy.config
         assert type(trainer.strategy).__name__ == "Zero3Strategy"
         assert (config.offload_optimizer, config.offload_params) == (tier, tier)
-    assert config.nvme_path == lightning_zero3.config.default_nvme_path()
+    assert config.nvme_path == lightning_zero3.config.settings.default_nvme_path()
 
 
 def test_checkpoint_resume_under_offload_is_exact(tmp_path):

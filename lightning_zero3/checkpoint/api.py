@@ -26,7 +26,7 @@ from ..engine.memory.buffers import return_free_heap
 from .atomic import TRAINER_STATE, CheckpointError, commit, partial_path, read_manifest, write_manifest
 from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
 from .files import torch_load_checked, write_torch_file
-from .hf import HF_CONFIG, find_hf_model, hf_configuration
+from ..export.hf import HF_CONFIG, find_hf_model, hf_configuration
 from .sharded import (
     MODEL_PREFIX,
     CheckpointMismatchError,

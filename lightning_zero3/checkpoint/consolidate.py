@@ -29,9 +29,9 @@ import torch
 from ..engine.memory.buffers import host_buffer, return_free_heap
 from .atomic import read_manifest
 from .dcp_io import FlatPiece, load_pieces
-from .hf import DEFAULT_MAX_SHARD, HF_CONFIG, write_hf_directory
+from ..export.hf import DEFAULT_MAX_SHARD, HF_CONFIG, write_hf_directory
 from .sharded import MODEL_PREFIX
-from .writers import TensorEntry, write_safetensors, write_torch
+from ..export.writers import TensorEntry, write_safetensors, write_torch
 
 
 def _dtype(name: str) -> torch.dtype:

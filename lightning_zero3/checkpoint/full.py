@@ -25,7 +25,7 @@ from ..engine import Zero3Engine
 from ..engine.state.optimizer_state import full_state_layout, gathered_state
 from .api import agree_on_outcome
 from .atomic import fsync_path
-from .writers import TensorEntry, TorchFileWriter, placeholder
+from ..export.writers import TensorEntry, TorchFileWriter, placeholder
 
 #: what ``lightning_module_state_dict`` / ``optimizer_state`` hand Lightning in full mode: the values are
 #: written by ``save_full_checkpoint`` as they are gathered

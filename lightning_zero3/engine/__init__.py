@@ -18,7 +18,7 @@ On top: ``engine.py`` (``Zero3Engine``, with its optimizer side in ``optimizers.
 from ..errors import OptimizerShardingError
 from .comm.agreement import ExecutionOrderError
 from .comm.communicator import Communicator
-from .comm.process_exit import close_process_groups
+from .failure.process_exit import close_process_groups
 from .engine import NoTrainableParametersError, Zero3Engine, engine_of, gathered_parameters, unshard
 from .layout.released import ParameterNotGatheredError
 

@@ -24,10 +24,10 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from ..config import Zero3Config, parse_budget
+from ..config.settings import Zero3Config, parse_budget
 from .comm.agreement import OrderCheck
 from .comm.communicator import Communicator
-from .comm.process_exit import close_process_groups_at_exit
+from .failure.process_exit import close_process_groups_at_exit
 from .grads import gradients
 from .grads.reduction import ReductionQueue
 from .layout import sources

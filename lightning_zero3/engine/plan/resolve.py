@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ...config import Zero3Config, parse_budget
+from ...config.settings import Zero3Config, parse_budget
 from .choose import choose_plan
 from .estimate import Job, PlanEstimate
 from .facts import Activations, model_facts

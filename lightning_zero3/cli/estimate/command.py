@@ -16,9 +16,9 @@ import shutil
 import sys
 from typing import Optional
 
-from ..config import Zero3Config, parse_budget
-from ..engine.plan import Job, choose_plan, estimate_plans, measure_activations, model_facts
-from ..engine.plan.choose import NothingFitsError
+from ...config.settings import Zero3Config, parse_budget
+from ...engine.plan import Job, choose_plan, estimate_plans, measure_activations, model_facts
+from ...engine.plan.choose import NothingFitsError
 from . import baseline
 from .job import PRECISION_BYTES, JobSpec, from_hf, from_yaml
 

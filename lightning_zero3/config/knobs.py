@@ -19,8 +19,8 @@ import inspect
 import textwrap
 from typing import Any, Optional
 
-from .config import Zero3Config
-from .deepspeed_config import DeepSpeedSource, merge, translate
+from .settings import Zero3Config
+from .deepspeed import DeepSpeedSource, merge, translate
 
 DEFAULTS = Zero3Config()
 

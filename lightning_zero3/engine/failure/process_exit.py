@@ -52,7 +52,7 @@ import time
 
 import torch.distributed as dist
 
-from .communicator import forget_process_groups
+from ..comm.communicator import forget_process_groups
 from .watchdog import stop_running_watchdogs
 
 # how long the main thread lets go of the GIL for gloo threads that outlive ``close_process_groups``

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Optional
 
-from .collective_log import GENERIC_FIX
+from ..comm.collective_log import GENERIC_FIX
 
 POLL_ALL = 8  # [Note: who reads whose record]
 HANG = "the ranks wait in different collectives, which can never complete"  # how the message begins

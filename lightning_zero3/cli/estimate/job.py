@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..config import Zero3Config
+from ...config.settings import Zero3Config
 
 #: (master, compute) bytes per element of each precision flag (see engine/layout/slots.py)
 PRECISION_BYTES = {"32-true": (4, 4), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2), "16-true": (2, 2)}
@@ -52,7 +52,7 @@ def _precision_name(value) -> str:
 
 def from_yaml(path: str, overrides: list[str], batch_size: Optional[int], seq_len: Optional[int]) -> JobSpec:
     """The job that ``lightning-zero3 fit --config path [overrides]`` would run, its model on meta."""
-    from ..cli_app import build_cli
+    from ..fit import build_cli
 
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")

@@ -28,9 +28,9 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from .config import SUPPORTED_PRECISION
-from .errors import UnsupportedPrecisionError
-from .precision_core import PrecisionCore, translate_precision
+from ...config.settings import SUPPORTED_PRECISION
+from ...errors import UnsupportedPrecisionError
+from ..precision_core import PrecisionCore, translate_precision
 
 
 class Zero3Precision(PrecisionCore, Precision):

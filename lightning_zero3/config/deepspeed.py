@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Union
 
-from .errors import Zero3ConfigError
+from ..errors import Zero3ConfigError
 
 DeepSpeedSource = Union[str, os.PathLike, dict]
 

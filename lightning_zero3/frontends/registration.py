@@ -7,8 +7,9 @@ Lightning only knows the names of the strategies it ships, so the package regist
 ``lightning.pytorch`` and ``pytorch_lightning`` are two separate copies of the same framework, with
 separate registries *and* separate base classes: a ``pytorch_lightning.Trainer`` only accepts strategies
 derived from ``pytorch_lightning``'s ``Strategy``. So when ``pytorch_lightning`` is installed, the two
-Lightning-facing modules (``precision.py``, ``strategy.py``) are loaded a second time from their own
-source with the package names swapped, as ``lightning_zero3._pl_precision`` / ``_pl_strategy``. There is
+Lightning-facing modules of the Trainer's door (``trainer/precision.py``, ``trainer/strategy.py``) are loaded
+a second time from their own source with the package names swapped, as ``trainer._pl_precision`` /
+``trainer._pl_strategy``. There is
 one source of truth; the engine and the config are shared by both flavours.
 """
 
@@ -30,8 +31,8 @@ def register_strategies() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from .fabric import Zero3FabricStrategy
-    from .strategy import Zero3Strategy
+    from .fabric.strategy import Zero3FabricStrategy
+    from .trainer.strategy import Zero3Strategy
 
     if Zero3Strategy.strategy_name not in StrategyRegistry:
         Zero3Strategy.register_strategies(StrategyRegistry)
@@ -52,17 +53,18 @@ def _register_pytorch_lightning() -> None:
 
 
 def _load_flavour(name: str) -> types.ModuleType:
-    """``lightning_zero3/<name>.py`` compiled against ``pytorch_lightning`` (see [Note: two Lightnings])."""
-    module_name = f"{__package__}._pl_{name}"
+    """``frontends/trainer/<name>.py`` compiled against ``pytorch_lightning`` (see [Note: two Lightnings])."""
+    package = f"{__package__}.trainer"
+    module_name = f"{package}._pl_{name}"
     if module_name in sys.modules:
         return sys.modules[module_name]
-    path = Path(__file__).with_name(f"{name}.py")
+    path = Path(__file__).with_name("trainer") / f"{name}.py"
     source = path.read_text()
     for old, new in _SWAPS:
         source = source.replace(old, new)
     module = types.ModuleType(module_name)
     module.__file__ = str(path)
-    module.__package__ = __package__
+    module.__package__ = package
     sys.modules[module_name] = module
     exec(compile(source, str(path), "exec"), module.__dict__)
     return module

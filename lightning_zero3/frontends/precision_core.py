@@ -11,11 +11,11 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from .config import DTYPES, SUPPORTED_PRECISION
-from .engine import Zero3Engine
-from .engine.layout.slots import DtypePolicy
-from .engine.scaler import ShardedLossScaler
-from .errors import UnsupportedPrecisionError
+from ..config.settings import DTYPES, SUPPORTED_PRECISION
+from ..engine import Zero3Engine
+from ..engine.layout.slots import DtypePolicy
+from ..engine.scaler import ShardedLossScaler
+from ..errors import UnsupportedPrecisionError
 
 _COMPUTE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
             "bf16-true": torch.bfloat16, "16-true": torch.float16}  # fmt: skip

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .deepspeed_config import merge, translate
-from .errors import Zero3ConfigError
+from .deepspeed import merge, translate
+from ..errors import Zero3ConfigError
 
 #: What ``unit_modules`` accepts: module classes, class names (``"Block"`` or ``"pkg.mod.Block"``), or a
 #: callable ``(module) -> bool`` that says whether a module is its own unit.

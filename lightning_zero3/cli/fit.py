@@ -1,4 +1,4 @@
-"""The LightningCLI that ``lightning-zero3 fit`` (``cli.py``) and the estimator (``estimate/job.py``) build
+"""The LightningCLI that ``lightning-zero3 fit`` (``cli/__init__.py``) and the estimator (``cli/estimate/job.py``) build
 from a job's YAML: Lightning's own, with zero3 imported and registered.
 
 Class paths resolve from the working directory as well as from installed packages (as under

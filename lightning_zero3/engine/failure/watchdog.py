@@ -17,9 +17,9 @@ process group already uses (its own connection, ``store.clone()``):
   under Lightning's launcher) is gone. Either turns into the same message and exit;
 - a rank whose collective can never complete, because the ranks issued different ones, finds it from
   the records every rank publishes in its heartbeat, and ends every rank with one message naming what
-  each was doing (see [Note: finding collectives that cannot complete] in hang_check.py);
+  each was doing (see [Note: finding collectives that cannot complete] in engine/failure/hang_check.py);
 - SIGTERM to any rank ends every rank within a few seconds, with status 143, even while a collective
-  waits (see [Note: SIGTERM while a collective waits] in termination.py);
+  waits (see [Note: SIGTERM while a collective waits] in engine/failure/termination.py);
 - a rank that finished normally writes ``done/<rank>`` (``stop``), so that peers still finishing do
   not mistake its exit for a failure; rank 0 waits for the others' ``done`` before it lets its
   process (and the store in it) go.
@@ -44,7 +44,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from .collective_log import LOG
+from ..comm.collective_log import LOG
 from .hang_check import HANG, POLL_ALL, HangCheck, decode, encode
 from .termination import TERMINATED_EXIT_CODE, TerminationWatch
 
@@ -107,7 +107,7 @@ class Watchdog:
         self._aborted_here = False
         self._thread: Optional[threading.Thread] = None
         self._peers = [r for r in range(world_size) if r != rank]
-        # [Note: who reads whose record] in hang_check.py
+        # [Note: who reads whose record] in engine/failure/hang_check.py
         near = {0, (rank - 1) % world_size, (rank + 1) % world_size} - {rank}
         self._polled = self._peers if world_size <= POLL_ALL else sorted(near)
         self._ending = threading.Lock()

@@ -28,15 +28,15 @@ from lightning.pytorch import LightningModule
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
-from .config import Zero3Config
+from ..config.settings import Zero3Config
 from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
-from .engine import Communicator, Zero3Engine
-from .engine.comm.collective_log import collective
-from .engine.comm.process_exit import close_process_groups_at_exit, note_failure
-from .engine.comm.watchdog import Watchdog
-from .engine.layout.materialize import parameters_on_meta
-from .engine.layout.slots import DtypePolicy
-from .engine.memory.buffers import map_large_temporaries
+from ..engine import Communicator, Zero3Engine
+from ..engine.comm.collective_log import collective
+from ..engine.failure.process_exit import close_process_groups_at_exit, note_failure
+from ..engine.failure.watchdog import Watchdog
+from ..engine.layout.materialize import parameters_on_meta
+from ..engine.layout.slots import DtypePolicy
+from ..engine.memory.buffers import map_large_temporaries
 
 # One watchdog per run; every rank starts the same number of them, so their store keys agree.
 _WATCHDOG_GENERATIONS = itertools.count()
@@ -140,7 +140,7 @@ class ProcessesMixin:
         )
         close_process_groups_at_exit()  # see [Note: process groups closed at exit] in engine/process_exit.py
         if self.root_device.type == "cpu":
-            # needs the process group: see [Note: the CPU thread budget] in cpu_threads.py
+            # needs the process group: see [Note: the CPU thread budget] in frontends/cpu_threads.py
             mine, everyone = gather_core_sets()
             self.ranks_sharing_cores = ranks_sharing(mine, everyone)
             torch.set_num_threads(self.config.cpu_threads or threads_per_rank(mine, self.ranks_sharing_cores))
@@ -237,7 +237,7 @@ def new_engine(module: nn.Module, config: Zero3Config, device: torch.device, dty
 
 def refuse_untrainable(module: nn.Module, action: str) -> None:
     """Training asked of a model with no trainable parameter: fail before anything is built."""
-    from .engine import NoTrainableParametersError
+    from ..engine import NoTrainableParametersError
 
     if not any(p.requires_grad for p in module.parameters()):
         raise NoTrainableParametersError(

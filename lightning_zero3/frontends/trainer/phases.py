@@ -16,8 +16,8 @@ import signal
 import threading
 from typing import Any
 
-from .engine.comm.collective_log import LOG, phase
-from .engine.comm.termination import lightning_handler
+from ...engine.comm.collective_log import LOG, phase
+from ...engine.failure.termination import lightning_handler
 
 
 class PhasesMixin:

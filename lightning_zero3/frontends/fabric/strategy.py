@@ -43,18 +43,18 @@ from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from .checkpoint.files import save_file_atomically, torch_load_checked
-from .checkpoint.full import save_full_checkpoint
-from .config import Zero3Config, default_nvme_path
-from .engine import Zero3Engine, engine_of
-from .engine.comm.collective_log import FABRIC_SAVE_FIX, in_phase
-from .engine.layout.materialize import move_real_tensors
-from .errors import Zero3ConfigError
-from .knobs import build_config
-from .precision_core import PrecisionCore, translate_precision
-from .pretrained import load_pretrained
-from .shared_setup import ProcessesMixin, built_on_meta, new_engine
+from ...checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from ...checkpoint.files import save_file_atomically, torch_load_checked
+from ...checkpoint.full import save_full_checkpoint
+from ...config.settings import Zero3Config, default_nvme_path
+from ...engine import Zero3Engine, engine_of
+from ...engine.comm.collective_log import FABRIC_SAVE_FIX, in_phase
+from ...engine.layout.materialize import move_real_tensors
+from ...errors import Zero3ConfigError
+from ...config.knobs import build_config
+from ..precision_core import PrecisionCore, translate_precision
+from ...pretrained import load_pretrained
+from ..shared_setup import ProcessesMixin, built_on_meta, new_engine
 
 
 class Zero3FabricPrecision(PrecisionCore, Precision):

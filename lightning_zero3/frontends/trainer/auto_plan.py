@@ -13,8 +13,8 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import default_collate
 
-from .config import Zero3Config
-from .engine.plan import Activations, measure_activations
+from ...config.settings import Zero3Config
+from ...engine.plan import Activations, measure_activations
 
 log = logging.getLogger("lightning_zero3")
 

@@ -29,17 +29,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
-from .checkpoint.export import save_full_weights
+from ...export.full_weights import save_full_weights
 from .checkpointing import CheckpointingMixin
-from .config import Zero3Config, default_nvme_path
-from .engine import Zero3Engine, engine_of
-from .engine.layout.materialize import move_real_tensors
-from .errors import Zero3ConfigError
-from .knobs import DEFAULTS, build_config, knob_docstring
+from ...config.settings import Zero3Config, default_nvme_path
+from ...engine import Zero3Engine, engine_of
+from ...engine.layout.materialize import move_real_tensors
+from ...errors import Zero3ConfigError
+from ...config.knobs import DEFAULTS, build_config, knob_docstring
 from .phases import PhasesMixin
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
 from .auto_plan import first_step_warning, step_activations
-from .shared_setup import ProcessesMixin, built_on_meta, new_engine, refuse_untrainable
+from ..shared_setup import ProcessesMixin, built_on_meta, new_engine, refuse_untrainable
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
     """ZeRO stage 3: parameters, gradients and optimizer states partitioned across data-parallel ranks.
 
     ``Trainer(strategy="zero3")`` after ``import lightning_zero3``, or ``Trainer(strategy=Zero3Strategy(...))``
-    with any knob of :class:`~lightning_zero3.config.Zero3Config` as a keyword argument (or ``config=``).
+    with any knob of :class:`~lightning_zero3.config.settings.Zero3Config` as a keyword argument (or ``config=``).
     """
 
     strategy_name = "zero3"
@@ -79,7 +79,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
         config: Optional[Zero3Config] = None,
         deepspeed_config: Optional[Union[str, dict]] = None,
         *,
-        # [Note: one list of knobs] in knobs.py: one keyword per Zero3Config field, defaults from it
+        # [Note: one list of knobs] in config/knobs.py: one keyword per Zero3Config field, defaults from it
         persistence_threshold: int = DEFAULTS.persistence_threshold,
         unit_modules: Optional[Union[str, list[Union[type, str]], Callable[[nn.Module], bool]]] = DEFAULTS.unit_modules,
         prefetch_bucket_size: int = DEFAULTS.prefetch_bucket_size,

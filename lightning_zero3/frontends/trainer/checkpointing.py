@@ -4,7 +4,7 @@ Sharded (the default): each rank's pieces go straight to a checkpoint directory 
 full: one file of gathered state. Either loads after ``setup``, straight into the engine's shards.
 
 A mixin that imports nothing of Lightning, so the ``pytorch_lightning`` flavour of the strategy (see
-[Note: two Lightnings] in registration.py) shares it as it is.
+[Note: two Lightnings] in frontends/registration.py) shares it as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Union
 
 from torch.optim import Optimizer
 
-from .checkpoint import (
+from ...checkpoint import (
     CheckpointMismatchError,
     is_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -23,9 +23,9 @@ from .checkpoint import (
     remove_checkpoint,
     save_sharded_checkpoint,
 )
-from .checkpoint.files import load_file_checkpoint, save_file_atomically
-from .checkpoint.full import STREAMED, save_full_checkpoint
-from .engine.comm.collective_log import LOAD_FIX, SAVE_FIX, in_phase
+from ...checkpoint.files import load_file_checkpoint, save_file_atomically
+from ...checkpoint.full import STREAMED, save_full_checkpoint
+from ...engine.comm.collective_log import LOAD_FIX, SAVE_FIX, in_phase
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:
