@@ -14,7 +14,7 @@ data module are given by ``class_path``, as with any LightningCLI in subclass mo
 Class paths resolve from the working directory as well as from installed packages (as under
 ``python -m``), so ``examples.gpt.GPTModule`` works from a checkout of this repository.
 
-The command line, all of it (the top layer: it may import anything of the package):
+The command line, all of it (the top layer: it imports anything of the package):
 
     __init__.py  ``main``: the subcommand dispatch (``lightning-zero3``)
     fit.py       the LightningCLI that ``fit`` (and every other Lightning subcommand) runs

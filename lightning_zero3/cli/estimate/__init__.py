@@ -7,4 +7,6 @@
 
 The figures come from ``engine/plan/`` (Lightning-free): the engine runs the same estimate at setup when
 an offload setting is ``"auto"``.
+
+Imports: ``engine/plan``, ``config``, and ``cli/fit.py`` to read a job's YAML as ``fit`` would.
 """
