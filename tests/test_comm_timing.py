@@ -1,6 +1,6 @@
 """Collective timing on every backend, utilization against the measured peak, and the monitors' gather device.
 
-The CUDA path (device events, [Note: completion time] in ``engine/timing.py``) runs here against a fake
+The CUDA path (device events, [Note: completion time] in ``engine/comm/timing.py``) runs here against a fake
 ``torch.cuda`` whose streams carry clocks the test moves: the same ``EventClock`` / ``EventSpan`` /
 ``Communicator`` code, with the test deciding when the device reaches each event.
 """

@@ -280,7 +280,7 @@ def _rank_dependent_use_case(rank: int, world: int) -> dict:
     none_after_backward = []
     for step in range(3):
         # two micro-batches: the second accumulates into shard gradients of which some are None ("never"),
-        # parameter by parameter (see [Note: the gradient shard in one pass] in grads/reduction.py)
+        # parameter by parameter (see [Note: the gradient shard in one pass] in engine/grads/reduction.py)
         micro = [torch.randint(0, 64, (4, 8), generator=g) for _ in range(2)]
         for net, optimizer in zip((ddp, model), opts):
             for x in micro:
@@ -471,7 +471,7 @@ def test_prefetch_and_async_reduce_keep_ddp_parity(overlap):
         assert result["hits"] >= result["prefetched"]
         # every gather after the first step runs behind the compute of a unit before its own (the first
         # block's behind the root's start, the first block of backward's behind the last block's): see
-        # [Note: a blocking check takes the gathers ahead along] in shard/flat_group.py
+        # [Note: a blocking check takes the gathers ahead along] in engine/schedule/gathers.py
         assert result["late"] == [], result["late"]
         assert 0 <= result["exposed"] <= result["total"]
     assert results[0]["choice"] == results[1]["choice"]  # measured choice, agreed by the ranks

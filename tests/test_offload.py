@@ -332,7 +332,7 @@ def direct_dir(tmp_path):
 
 
 def test_swap_reads_bypass_the_page_cache_for_aligned_blocks_and_see_fresh_writes(direct_dir, monkeypatch):
-    """[Note: direct reads] in aio.py: a page-aligned host buffer is read through the O_DIRECT descriptor
+    """[Note: direct reads] in engine/offload/aio.py: a page-aligned host buffer is read through the O_DIRECT descriptor
     for its whole 4 KiB blocks and through the cache for the rest; the data is what was just written
     through the buffered descriptor (no fsync in between); an unaligned target reads through the cache."""
     swap_dir = SwapDirectory(str(direct_dir), rank=0)

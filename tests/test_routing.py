@@ -323,7 +323,7 @@ def test_hugging_face_mixtral_matches_ddp_find_unused(ranks, opt):
 def test_a_unit_without_post_backward_signal_and_rank_dependent_gradients_neither_hangs_nor_differs(ranks, overlap):
     # the wide tower's first unit: on a rank where all its experts ran it ends at its last gradient, on one
     # where some did not only when backward ends; a rank waiting for its reduce-scatter mid-backward would
-    # wait for a peer that first needs this rank's next gather (see [Note: reduction order] in grads/reduction.py)
+    # wait for a peer that first needs this rank's next gather (see [Note: reduction order] in engine/grads/reduction.py)
     world, results = ranks
     _assert_matches_ddp([r["two_towers"][overlap] for r in results], world)
     assert results[0]["two_towers"][overlap]["units"] == ["<root>", "deep.0", "deep.1", "wide.0", "wide.1"]

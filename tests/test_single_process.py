@@ -1,6 +1,6 @@
 """One process (world size 1): nothing to shard, so every unit stays gathered for the whole run (no gather,
 release or re-gather), the optimizer steps the buffer the model computes with, and training reproduces
-the model trained without zero3 (see [Note: one process keeps its units gathered] in shard/flat_group.py)."""
+the model trained without zero3 (see [Note: one process keeps its units gathered] in engine/shard/flat_group.py)."""
 
 from __future__ import annotations
 
@@ -111,8 +111,8 @@ def test_one_process_reduces_its_gradients_without_a_collective_and_gives_every_
 
 @pytest.mark.parametrize("name", ["alone", "sharded", "alone-bf16", "sharded-bf16", "alone-offload"])
 def test_every_group_reduces_the_buffer_its_gradients_landed_in(runs, name):
-    # [Note: the persistent group lands when backward begins] in hooks.py, and with a bf16 compute dtype
-    # [Note: one rank accumulates its landing buffer] in grads/reduction.py: nothing is packed by copying
+    # [Note: the persistent group lands when backward begins] in engine/schedule/hooks.py, and with a bf16 compute dtype
+    # [Note: one rank accumulates its landing buffer] in engine/grads/reduction.py: nothing is packed by copying
     engine, packs = runs[name]["engine"], runs[name]["packs"]
     assert engine.persistent is not None and engine.persistent.trainable
     assert dict(packs) == {("strays", rt.group.name): 0 for rt in engine.runtimes if rt.trainable}

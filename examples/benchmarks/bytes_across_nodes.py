@@ -7,7 +7,7 @@ Question: How many bytes cross node boundaries per step, with and without second
                                                                             # benchmark.py --nodes 2's GPT, fp32
 
 For each strategy, the bytes one rank receives from ranks on other nodes in one step, by the rule of
-[Note: inter-node bytes] in ``lightning_zero3/engine/topology.py`` (``inter_node_bytes``, the function the
+[Note: inter-node bytes] in ``lightning_zero3/engine/comm/topology.py`` (``inter_node_bytes``, the function the
 ledger itself calls), and the sum over the ranks of one node. P parameters of ``--bytes`` bytes each
 (gathered parameters and reduced gradients alike), N = nodes x ranks per node ranks:
 

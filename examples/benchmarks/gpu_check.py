@@ -228,7 +228,7 @@ CUDA_MEMORY_TAGS = ("reserved_bytes", "allocated_bytes", "fragmentation", "cache
 def monitors_verdict(memory: dict, comm: dict) -> tuple[bool, str]:
     """The monitors' last logged figures: the CUDA allocator's present and sane, the collectives' measured.
     The check runs at one rank, where the gathers (sharded on purpose) are one-rank collectives and the
-    gradients are reduced with none ([Note: one rank reduces nothing] in grads/reduction.py): a reduce-scatter
+    gradients are reduced with none ([Note: one rank reduces nothing] in engine/grads/reduction.py): a reduce-scatter
     counted there is a defect."""
     mem = {tag: memory.get(f"zero3/memory/{tag}/max") for tag in CUDA_MEMORY_TAGS}
     missing = [tag for tag, value in mem.items() if value is None]

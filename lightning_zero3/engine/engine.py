@@ -122,7 +122,7 @@ class Zero3Engine(OptimizerSide):
         activations: Optional[Activations] = None,
     ) -> None:
         """Shard ``module`` in place. Parameters on the meta device are materialised unit by unit, straight
-        into shards (see [Note: sharded initialisation] in materialize.py): rank 0 replays what their
+        into shards (see [Note: sharded initialisation] in engine/layout/materialize.py): rank 0 replays what their
         construction under ``parameters_on_meta()`` did, else each module's ``reset_parameters()`` and then
         ``init_fn(module)`` initialise them. ``activations``: what one training step saves for backward, for the
         automatic offload plan (see plan/resolve.py; the caller measures them on the meta device)."""
@@ -131,7 +131,7 @@ class Zero3Engine(OptimizerSide):
         self.dtypes = dtypes
         self.comm = comm or Communicator()
         if self.comm.distributed:
-            close_process_groups_at_exit()  # see [Note: process groups closed at exit] in process_exit.py
+            close_process_groups_at_exit()  # see [Note: process groups closed at exit] in engine/failure/process_exit.py
         self.ledger = ByteLedger()
         self.pool = BufferPool(self.ledger)  # staging buffers, see [Note: reused staging buffers] in memory/buffers.py
         first = next(module.parameters(), None)
@@ -158,7 +158,7 @@ class Zero3Engine(OptimizerSide):
         elif self.device.type == "cpu":
             keep_heap_top()  # [Note: the heap keeps its top between steps] in memory/buffers.py
         # values a checkpoint will supply (load_pretrained on the meta model): see [Note: loading straight
-        # into shards] in sources.py
+        # into shards] in engine/layout/sources.py
         pending = sources.take(module)
         materializer = (
             Materializer(module, self.device, init_fn, self.comm.rank == 0, pending.params, pending.buffers)
@@ -292,7 +292,7 @@ class Zero3Engine(OptimizerSide):
         self._route_gathers(config)
 
     def _route_gathers(self, config: Zero3Config) -> None:
-        """Secondary shards and int8 gathers as ``config`` asks (see [Note: gather routes] in gather.py);
+        """Secondary shards and int8 gathers as ``config`` asks (see [Note: gather routes] in engine/shard/gather.py);
         a change of ``secondary_shard_size`` between runs re-creates the groups (a collective)."""
         size = resolve_size(config.secondary_shard_size, self.comm)
         if size != self.secondary_size:
@@ -436,7 +436,7 @@ class Zero3Engine(OptimizerSide):
         the in-memory categories at any moment; ``peak_<category>`` the highest of each. With
         ``secondary_shard_size`` = s, ``secondary_shards`` holds 1/s of each unit released after its forward
         until its backward is over: at its peak, between forward and backward, about 1/s of the units'
-        gathered bytes (see [Note: secondary shards] in secondary.py)."""
+        gathered bytes (see [Note: secondary shards] in engine/shard/secondary.py)."""
         self.note_optimizer_state()
         report = dict(self.ledger.held)
         report["peak_gathered_params"] = self.ledger.peak_gathered

@@ -138,7 +138,7 @@ class ProcessesMixin:
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self.config.timeout, device_id=device_id
         )
-        close_process_groups_at_exit()  # see [Note: process groups closed at exit] in engine/process_exit.py
+        close_process_groups_at_exit()  # see [Note: process groups closed at exit] in engine/failure/process_exit.py
         if self.root_device.type == "cpu":
             # needs the process group: see [Note: the CPU thread budget] in frontends/cpu_threads.py
             mine, everyone = gather_core_sets()
@@ -192,7 +192,7 @@ class ProcessesMixin:
 
 def init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
     """The module's ``init_weights(module)``, the custom init for modules built on the meta device whose
-    construction did not set their parameters (see [Note: eager construction replayed] in engine/materialize.py).
+    construction did not set their parameters (see [Note: eager construction replayed] in engine/layout/materialize.py).
 
     A LightningModule's must take the module (the Trainer's convention: a wrong signature is an error). A
     plain model under Fabric may have an ``init_weights`` of its own meaning: Hugging Face's ``init_weights()``

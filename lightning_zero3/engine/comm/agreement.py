@@ -7,7 +7,7 @@ with rank 1's gather of another: equal-sized units then mix silently, different 
 inside gloo ("Received data size doesn't match expected size") or hang under NCCL. So before issuing
 an all-gather, each rank all-gathers a tag of a few integers (``OrderCheck.tag``: step, pass, phase,
 sequence number, elements, and the units gathered) on the check group (see [Note: three process groups]
-in comm/communicator.py) and compares the rows: every rank sees the same rows, so on a mismatch every rank raises the
+in communicator.py) and compares the rows: every rank sees the same rows, so on a mismatch every rank raises the
 same ``ExecutionOrderError``, naming what each rank was about to gather, before any gather is issued.
 The rows must be read before the gather is issued, because a mismatched gather could abort the process
 before a check behind it is read (gloo checks message sizes on its own thread: ``gloo::EnforceNotMet``,

@@ -343,7 +343,7 @@ class Communicator:
         [Note: swap tags]
         Each message carries a tag that both ranks count alike per kind: all-gathers are issued in one
         order on every rank (the recorded execution order, each agreed on first, see agreement.py), and so
-        are reduce-scatters ([Note: reduction order] in grads/reduction.py), so several swaps in flight cannot be
+        are reduce-scatters ([Note: reduction order] in engine/grads/reduction.py), so several swaps in flight cannot be
         confused. The two kinds keep counters of their own: how a rank's gathers and reductions interleave
         legitimately differs between ranks (see [Note: three process groups])."""
         peer = dist.get_global_rank(group, 1 - self.rank) if group is not None else 1 - self.rank

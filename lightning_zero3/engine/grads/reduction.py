@@ -96,7 +96,7 @@ def divides_exactly_after(world: int, dtype: torch.dtype) -> bool:
 def _new_buffer(pool: BufferPool, world: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Where a packed gradient buffer comes from when it is not the landing buffer: the engine's staging
     pool, given back once the reduce-scatter that reads it has completed (see [Note: reused staging
-    buffers] in memory/buffers.py). Not zeroed: its users write every element (see [Note: packing writes every
+    buffers] in engine/memory/buffers.py). Not zeroed: its users write every element (see [Note: packing writes every
     element once])."""
     return pool.take(world * width, dtype, device).view(world, width)
 
@@ -108,7 +108,7 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
 
     [Note: the landing buffer is sent]
     The gradients of a unit land in one zeroed buffer in the padded full layout (see [Note: gradients
-    land in a pooled buffer] in shard/flat_group.py), which is the layout the reduce-scatter reads. So when the
+    land in a pooled buffer] in engine/shard/flat_group.py), which is the layout the reduce-scatter reads. So when the
     reduce dtype is the compute dtype (or there is one rank: [Note: one rank accumulates its landing
     buffer]), that buffer itself is sent: no copy of the unit, and no division
     either where it is exact after the sum. Only a gradient that autograd did not leave in its landing

@@ -375,7 +375,7 @@ def map_large_temporaries() -> None:
     glibc serves an allocation at or above its mmap threshold (128 KiB at start) with a map of its own,
     unmapped when freed; but it raises the threshold to the size of every mapped block that is freed (up
     to 32 MiB). Autograd computes each weight's gradient into a new tensor, adds it into the unit's
-    landing buffer (see [Note: gradients land in a pooled buffer] in shard/flat_group.py) and frees it: after the
+    landing buffer (see [Note: gradients land in a pooled buffer] in engine/shard/flat_group.py) and frees it: after the
     first such multi-MB block is freed, the later ones come from the heap, and the heap held their freed
     space resident. Measured through backward of a 32-block GPT (768 wide, gradients of 7-9 MB): the
     heap grew to 1.17 GB of which 1.02 GB free, the process peaked at 1434 MiB against 915 MiB with the

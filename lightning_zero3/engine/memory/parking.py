@@ -2,7 +2,7 @@
 
 [Note: released pages are parked]
 A gathered buffer on the host is a memory map of its own, released with ``madvise(MADV_DONTNEED)`` (see
-[Note: releasing gathered buffers] in memory/buffers.py). The next gather into any buffer then faults every page
+[Note: releasing gathered buffers] in buffers.py). The next gather into any buffer then faults every page
 in afresh, and the kernel zeroes each one first; a direct read from the disk into such a buffer also
 runs slower (two 43 MB reads at once: 2.0 GB/s into fresh pages, 2.6 GB/s into present ones, measured).
 One process generating with 75% of its weights resident and two cold units read from NVMe per token took

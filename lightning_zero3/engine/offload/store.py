@@ -281,7 +281,7 @@ class GroupStore:
         self.states = {}
         self._evict()
         if created:  # the optimizer's own state tensors (heap) were copied into our buffers and dropped
-            return_free_heap()  # [Note: the heap between phases] in memory/buffers.py
+            return_free_heap()  # [Note: the heap between phases] in engine/memory/buffers.py
 
     def _evict(self) -> None:
         """Placeholders in place of everything now on disk (see [Note: NVMe-tier residency]); one empty

@@ -12,7 +12,7 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bo
     ``groups[0]`` is needed at once unless ``first_needed`` is False (every group is gathered ahead).
 
     Groups smaller than ``coalesce_below`` elements share one all-gather (one per route, see
-    [Note: gather routes] in gather.py).
+    [Note: gather routes] in engine/shard/gather.py).
 
     [Note: coalesced all-gather]
     An all-gather concatenates the ranks' inputs rank by rank. Each rank sends its shards of several
@@ -31,7 +31,7 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bo
 
     [Note: a blocking check takes the gathers ahead along]
     Gathers ahead of need are agreed on at one start and issued at the next (see [Note: checks run a unit
-    ahead] in agreement.py), so they lead the compute by one unit less than they were chosen for. Where
+    ahead] in engine/comm/agreement.py), so they lead the compute by one unit less than they were chosen for. Where
     the unit starting must be agreed on while everyone waits anyway (the first unit of a pass, a unit the
     prefetch missed), the gathers ahead join that check and are issued right after the needed one: no
     round trip more, and the first units prefetched in a pass lead by a whole unit (measured on the
@@ -39,7 +39,7 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bo
     """
     check = groups[0].check
     if check is not None:
-        check.settle()  # gathers agreed on ahead go first: see [Note: checks run a unit ahead] in agreement.py
+        check.settle()  # gathers agreed on ahead go first: see [Note: checks run a unit ahead] in engine/comm/agreement.py
     needed = groups[:1] if first_needed else []
     ahead = [g for g in groups[len(needed) :] if not g.read_in_flight_alone()]
     # once each (a trace in which a unit repeats, a module called twice, may name it twice)

@@ -214,7 +214,7 @@ class HookManager:
     def _begin_backward_at(self, tensors: list[torch.Tensor]) -> None:
         """[Note: the persistent group lands when backward begins]
         The persistent group has no module of its own, so no unit's pre-backward hook lands its
-        gradients (see [Note: gradients land in a pooled buffer] in shard/flat_group.py); left alone, autograd
+        gradients (see [Note: gradients land in a pooled buffer] in engine/shard/flat_group.py); left alone, autograd
         allocated each of its parameters' gradients, and packing copied them one by one, a kernel each
         on a GPU: the biases and norms of every block under ``persistence_threshold``, and the whole
         model where every parameter is small. So the group lands when backward begins: at a hook on the
@@ -232,7 +232,7 @@ class HookManager:
     def _gather_ahead_for_backward(self) -> None:
         """A forward that backward will follow ended: agree now on the first gathers of the backward, so
         that its first start issues them at once instead of agreeing on them there, a unit late (see
-        [Note: a blocking check takes the gathers ahead along] in shard/flat_group.py). Measured on the benchmark
+        [Note: a blocking check takes the gathers ahead along] in gathers.py). Measured on the benchmark
         GPT: the first block gathered in backward waited 25 ms per step for a gather issued at its own
         start. A forward whose backward never comes leaves them gathered until the next forward starts
         (``_drop_holds_for_a_backward_not_run``)."""
@@ -281,7 +281,7 @@ class HookManager:
                 if needing and (runtime is self.root or self.schedule.keep_for_backward(runtime)):
                     runtime.backward_hold = True
                 if needing:
-                    runtime.group.keep_secondary_on_release()  # [Note: secondary shards] in secondary.py
+                    runtime.group.keep_secondary_on_release()  # [Note: secondary shards] in engine/shard/secondary.py
             runtime.maybe_release()
 
         return hook
@@ -295,7 +295,7 @@ class HookManager:
                 runtime.backward_started = True
                 runtime.backward_hold = True
                 self._start("backward", runtime)
-                runtime.group.land_gradients()  # [Note: gradients land in a pooled buffer] in shard/flat_group.py
+                runtime.group.land_gradients()  # [Note: gradients land in a pooled buffer] in engine/shard/flat_group.py
             self.queue.advance()
 
         for tensor in tensors:
@@ -380,7 +380,7 @@ def _check_no_late_gradients(runtimes: list[UnitRuntime]) -> None:
 
 
 def _check_trainable_set(runtimes: list[UnitRuntime]) -> None:
-    """[Note: the trainable set is fixed at setup] in shard/flat_group.py."""
+    """[Note: the trainable set is fixed at setup] in engine/shard/flat_group.py."""
     changed = [name for runtime in runtimes for name in runtime.group.requires_grad_changed()]
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")

@@ -12,7 +12,7 @@ parameters therefore work unchanged over the shards.
 
 Words used below: the *master* is what the shard parameters view and the optimizer steps (``shard``
 itself without offload); ``shard`` is the device-side source of this rank's all-gathers; ``full`` is the
-gathered buffer the user's parameters view (see [Note: releasing gathered buffers] in memory/buffers.py). Under
+gathered buffer the user's parameters view (see [Note: releasing gathered buffers] in engine/memory/buffers.py). Under
 offload the master lives in a ``GroupStore`` (host memory or NVMe) and the all-gather source is refilled
 by a ``ParamSource``; the group hands both the views they need and then only calls them.
 """
@@ -71,7 +71,7 @@ class FlatGroup:
         stays_gathered: bool = False,
     ) -> None:
         """``loaded``: ids of parameters whose values will be read from a checkpoint once every group is
-        built (see [Note: loading straight into shards] in sources.py). ``stays_gathered``: one process
+        built (see [Note: loading straight into shards] in engine/layout/sources.py). ``stays_gathered``: one process
         with nothing to shard, see [Note: one process keeps its units gathered]."""
         if not named_params:
             raise ValueError(f"flat group {name!r} has no parameters")
@@ -116,7 +116,7 @@ class FlatGroup:
             master = releasable_buffer(self.shard_numel * world, self.dtype, device)
             self.ledger.add(self._full_category, self._nbytes(master))
             if materializer is not None and any(p.is_meta for _, p in named_params):
-                # built straight from the meta device: see [Note: sharded initialisation] in materialize.py
+                # built straight from the meta device: see [Note: sharded initialisation] in engine/layout/materialize.py
                 materializer.fill(named_params, master[:total])
                 sync_from_rank0 = True  # rank 0 initialised it
             elif not from_checkpoint:
@@ -160,7 +160,7 @@ class FlatGroup:
         self.gathers = 0  # all-gathers issued into ``full`` (for tests and the residency profile)
         self.landing: Optional[torch.Tensor] = None  # where this backward's gradients land (land_gradients)
         # per trainable slot, whether its ``.grad`` is a view of ``landing``; the landing buffer's version
-        # counter when they were set (see [Note: which parameters received a gradient] in arrivals.py)
+        # counter when they were set (see [Note: which parameters received a gradient] in engine/grads/arrivals.py)
         self.landed: list[bool] = []
         self.landed_version = 0
         self.pending: Optional[Then] = None  # an all-gather in flight into ``full`` (see gather.py)
@@ -302,7 +302,7 @@ class FlatGroup:
 
     def load_piece(self, slot: ParamSlot, source: "TensorSource") -> None:
         """Set this rank's piece of ``slot``'s parameter from ``source``, read by element range (see
-        [Note: loading straight into shards] in sources.py); a persistent parameter's full copy is read
+        [Note: loading straight into shards] in engine/layout/sources.py); a persistent parameter's full copy is read
         whole. Not a collective: a gathered unit is stale until gathered again."""
         if source.shape.numel() != slot.numel:
             raise ValueError(
@@ -412,9 +412,9 @@ class FlatGroup:
         +240 MB on 128 units of 4 MB). A gradient that already exists is accumulated into in place, so a
         zeroed view of a pooled buffer, set before the unit's backward starts, receives the gradient with
         no allocation; the buffer is then what the reduce-scatter sends (see [Note: the landing buffer is
-        sent] in grads/reduction.py), back to the pool once it has been sent. A landing view exists whether or not
+        sent] in engine/grads/reduction.py), back to the pool once it has been sent. A landing view exists whether or not
         autograd wrote into it: which parameters really received a gradient is told by the buffer's
-        version counter ([Note: which parameters received a gradient] in arrivals.py)."""
+        version counter ([Note: which parameters received a gradient] in engine/grads/arrivals.py)."""
         if self.landing is not None or not self.trainable:
             return
         self.landing = self.pool.take(self.full.numel(), self.compute_dtype, self.full.device, zero=True)
@@ -453,7 +453,7 @@ class FlatGroup:
         self._trainable_set = frozenset(self._trainable_index)
         self._classes = [(slot.param, slot.original_class) for slot in self.slots]
         # the trainable parameters with a piece on this rank, and each piece's view of the gradient shard:
-        # see [Note: the gradient shard in one pass] in grads/reduction.py
+        # see [Note: the gradient shard in one pass] in engine/grads/reduction.py
         self.local_trainable_slots = [slot for slot in self.trainable_slots if slot.hi > slot.lo]
         shard = self.grad_shard
         self.grad_views = [] if shard is None else [shard[s.lo : s.hi] for s in self.local_trainable_slots]
@@ -474,6 +474,6 @@ class FlatGroup:
 
     def late_gradient(self) -> Optional[nn.Parameter]:
         """A trainable parameter with a ``.grad`` after this group's gradients were packed, if any
-        (see [Note: counting a unit's gradients] in hooks.py)."""
+        (see [Note: counting a unit's gradients] in engine/schedule/hooks.py)."""
         with engine_access():  # released parameters: plain attribute reads
             return next((slot.param for slot in self.trainable_slots if slot.param.grad is not None), None)

@@ -9,7 +9,7 @@ A unit's full parameters stay gathered while any of four reasons holds; it is re
 
 Within one backward pass a unit goes: started (its pre-backward hook ran) -> over (its backward is over:
 its post-backward signal fired, or, for a unit without one, every trainable parameter has its gradient
-(see [Note: counting a unit's gradients] in hooks.py), or backward ended) ->
+(see [Note: counting a unit's gradients] in engine/schedule/hooks.py), or backward ended) ->
 reduced (its gradients were packed for the reduce-scatter, see ``grads.ReductionQueue``).
 """
 
@@ -68,7 +68,7 @@ class UnitRuntime:
     def ends_alike(self) -> bool:
         """Whether its backward ends at the same point of backward on every rank: it has a post-backward
         signal (its inputs need gradients), which every rank gets once that unit's backward has run,
-        whatever parameters got gradients there (see [Note: reduction order] in grads/reduction.py)."""
+        whatever parameters got gradients there (see [Note: reduction order] in engine/grads/reduction.py)."""
         return self.signals > 0
 
     def all_grads_in(self) -> bool:

@@ -8,7 +8,7 @@ node). When a unit whose backward will need it again is released after its forwa
 its *secondary shard*: its share of the unit's full parameters within its group,
 ``full[i x L/s : (i+1) x L/s]`` for the rank's index i in the group (L the padded length). Backward's
 re-gather (and backward's prefetch) then all-gathers those shards over the group (see [Note: node-local
-secondary groups] in comm/communicator.py): s ranks of one node, no byte crosses a node boundary. Gradients still
+secondary groups] in engine/comm/communicator.py): s ranks of one node, no byte crosses a node boundary. Gradients still
 reduce-scatter over all ranks, into the primary shards.
 
 The copy is taken from the gathered buffer itself, so it holds exactly the values forward used (under

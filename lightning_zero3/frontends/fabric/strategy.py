@@ -161,7 +161,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> Any:
         """``empty_init=True``: parameters on the meta device, built into shards at ``setup`` (see
-        [Note: only parameters on the meta device] in engine/materialize.py)."""
+        [Note: only parameters on the meta device] in engine/layout/materialize.py)."""
         stack = ExitStack()
         if self.root_device.type != "cpu":
             stack.enter_context(self.root_device)

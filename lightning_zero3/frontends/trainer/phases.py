@@ -7,7 +7,7 @@ costs a list append and pop per call, not per collective.
 
 On ``on_train_start`` (Lightning registers its signal handlers after ``setup``, just before it), the
 SIGTERM handler that Lightning registered is replaced: see [Note: SIGTERM while a collective waits] in
-engine/termination.py.
+engine/failure/termination.py.
 """
 
 from __future__ import annotations

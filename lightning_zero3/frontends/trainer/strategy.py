@@ -221,7 +221,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
         # meta-device parameters stay where they are: the engine builds them as shards
         move_real_tensors(self.lightning_module, self.root_device)
 
-    # -- sharded initialisation ([Note: sharded initialisation] in engine/materialize.py) ------------
+    # -- sharded initialisation ([Note: sharded initialisation] in engine/layout/materialize.py) ------------
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
@@ -237,11 +237,11 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Parameters of modules built in ``configure_model`` go on the meta device (buffers are computed as
-        usual, see [Note: only parameters on the meta device] in engine/materialize.py); the engine
+        usual, see [Note: only parameters on the meta device] in engine/layout/materialize.py); the engine
         materialises them unit by unit into shards, so no rank holds the full model. Their initial values
         come from a checkpoint (``load_pretrained``), else from the construction itself, replayed: the numbers an
         eager build (DDP's) draws after the same seed ([Note: eager construction replayed] in
-        engine/materialize.py). Only where construction did not set them: each module's ``reset_parameters()``,
+        engine/layout/materialize.py). Only where construction did not set them: each module's ``reset_parameters()``,
         its library's initialiser and then the LightningModule's ``init_weights(module)``, if it has one."""
         with built_on_meta(self.config, self.root_device):
             yield
