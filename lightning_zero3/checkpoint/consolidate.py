@@ -12,7 +12,7 @@ The output is a plain ``state_dict`` under the model's own names (tied weights u
 One process, no process group. For each tensor in turn: allocate it full, let DCP read every saved
 piece of it into place, write its bytes to the output, free it. Peak memory is about the largest
 tensor (twice, while DCP copies a piece in) over the process baseline, never the model. The files are
-written tensor by tensor by ``writers.py`` (safetensors: header first; torch format: the pickle first,
+written tensor by tensor by ``export/writers.py`` (safetensors: header first; torch format: the pickle first,
 then one zip record per tensor, each with its true CRC).
 """
 
@@ -81,7 +81,7 @@ def consolidate_checkpoint(
     config: Optional[Path] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD,
 ) -> Path:
     """Write the full weights of the sharded ``checkpoint`` to ``out``: ``"pt"`` or ``"safetensors"`` (one file),
-    or ``"hf"`` (a Hugging Face model directory, see ``hf.py``); by default from the suffix, and ``"hf"`` for a
+    or ``"hf"`` (a Hugging Face model directory, see ``export/hf.py``); by default from the suffix, and ``"hf"`` for a
     path without one when the checkpoint was written from a module that wraps a Hugging Face model. Only the
     names under ``prefix`` are kept, with the prefix removed (for ``"hf"``, by default the wrapped model's
     prefix). ``config``: a ``config.json`` for ``"hf"`` (by default the one the checkpoint carries)."""

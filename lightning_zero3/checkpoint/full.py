@@ -3,7 +3,7 @@
 The file is an ordinary Lightning checkpoint (``torch.save`` format: full weights under the module's own
 names, the unsharded optimizer state, and Lightning's loops, callbacks, schedulers), so DDP and plain
 torch load it as their own. It is written as described in [Note: a torch.save file, tensor by tensor]
-(``writers.py``): every rank takes part in gathering one unit's weights, then one state key of that
+(``export/writers.py``): every rank takes part in gathering one unit's weights, then one state key of that
 unit at a time, rank 0 writes them and the buffers go before the next; no rank ever holds the whole
 model or its optimizer state. The file appears whole or not at all, and a failure on rank 0 reaches
 every rank.

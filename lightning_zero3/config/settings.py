@@ -104,7 +104,7 @@ class Zero3Config:
     cpu_threads: Optional[int] = None
     """Compute threads per rank on CPU (``torch.set_num_threads``). None: the cores this rank may run on
     divided by the ranks of the job that share them on this machine (however many nodes the launcher
-    says it has; see ``cpu_threads.py``), at least one, so ranks do not oversubscribe the cores."""
+    says it has; see ``frontends/cpu_threads.py``), at least one, so ranks do not oversubscribe the cores."""
 
     reduce_dtype: Optional[str] = None
     """Dtype gradients are reduce-scattered in: ``"fp32"``, ``"bf16"`` or ``"fp16"``. ``None``: fp32 under
@@ -144,7 +144,7 @@ class Zero3Config:
     training step holds on top of the shards (its gathered units and gradient staging buffers, measured
     when this model has trained), less the streaming window evaluation keeps for the other units, so
     evaluation never holds more than a training step did. Which units stay is chosen from a profile of the
-    first calls (see ``engine/residency.py``); leaving the stage releases them."""
+    first calls (see ``engine/schedule/residency.py``); leaving the stage releases them."""
 
     unshard_after_fit: bool = False
     """After ``trainer.fit`` the module stays sharded and attached to its engine, as with torch FSDP and
@@ -275,7 +275,7 @@ class Zero3Config:
     @classmethod
     def from_deepspeed(cls, source: Any, **overrides: Any) -> "Zero3Config":
         """Translate a DeepSpeed config (dict or JSON path; full, or its ``zero_optimization`` block), knob
-        by knob; ``overrides`` win. Settings with no meaning here are named in a warning (``deepspeed_config.py``)."""
+        by knob; ``overrides`` win. Settings with no meaning here are named in a warning (``deepspeed.py``)."""
         return cls.from_kwargs(**merge(translate(source), overrides))
 
 

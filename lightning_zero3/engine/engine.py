@@ -169,7 +169,7 @@ class Zero3Engine(OptimizerSide):
 
         self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
         self.comm.open_side_groups(self.config.timeout)  # see [Note: three process groups] in comm/communicator.py
-        self.secondary_size: Optional[int] = None  # the groups secondary shards are kept in (secondary.py)
+        self.secondary_size: Optional[int] = None  # the groups secondary shards are kept in (shard/secondary.py)
         resolve_size(self.config.secondary_shard_size, self.comm)  # a bad value fails before any unit is built
         if self.config.tune_collectives:
             # before any group exists: the tuning buffers are not stacked on top of the shards
@@ -190,7 +190,7 @@ class Zero3Engine(OptimizerSide):
                 )
                 runtime = UnitRuntime(name, group, self.comm)
                 runtime.maybe_release()  # before the next unit is built: one unit in full at a time
-                parking.flush()  # the next unit is a new buffer, not a gather: no pages kept for it (parking.py)
+                parking.flush()  # the next unit is a new buffer, not a gather: no pages kept for it (memory/parking.py)
                 if spec is self.plan.root:
                     self.root = runtime
                 else:
@@ -332,7 +332,7 @@ class Zero3Engine(OptimizerSide):
     def shard_params(self) -> list[nn.Parameter]:
         return [slot.shard_param for slot in self.slots.values()]
 
-    # -- gradients (see gradients.py) ---------------------------------------------------------------
+    # -- gradients (see grads/gradients.py) ---------------------------------------------------------------
 
     @property
     def _groups(self) -> list[FlatGroup]:
@@ -512,7 +512,7 @@ class Zero3Engine(OptimizerSide):
 
     def remove_swap_files(self) -> None:
         """Delete this rank's swap folder now, touching nothing else (no thread is joined): for a process
-        about to end with ``os._exit``, which skips the interpreter's own clean-up (see watchdog.py)."""
+        about to end with ``os._exit``, which skips the interpreter's own clean-up (see failure/watchdog.py)."""
         swap = getattr(self.offload, "swap", None) if self.offload is not None else None
         if swap is not None:
             swap.remove()

@@ -1,12 +1,12 @@
 """LoRA adapters merged into their base weights on export: the Hugging Face directory that, under DDP,
-``peft_model.merge_and_unload().save_pretrained(dir)`` writes, streamed unit by unit (``export.py``).
+``peft_model.merge_and_unload().save_pretrained(dir)`` writes, streamed unit by unit (``full_weights.py``).
 
 For each peft LoRA ``Linear`` the exported ``weight`` is the base layer's weight plus, for each active
 adapter, ``B @ A * scaling`` (transposed for ``fan_in_fan_out`` layers), computed as peft computes it,
 from the masters (so in the master dtype, as peft merges under DDP). The adapters' own tensors are not
 written and the base layers' names lose their ``base_layer.`` part, so ``from_pretrained`` of the
 directory gives the merged model. The adapters (whole on every rank in the usual case, rule 4 of
-``engine/units.py``) are read first; then each base weight is merged while its unit is gathered.
+``engine/layout/units.py``) are read first; then each base weight is merged while its unit is gathered.
 
 Layers peft merges in other ways (DoRA and other variants, LoRA on embeddings or convolutions, adapter
 biases) are refused with an error naming the layer, not exported unmerged.

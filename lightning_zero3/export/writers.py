@@ -1,7 +1,7 @@
 """Files of full tensors written one tensor at a time: ``torch.save`` format and safetensors.
 
-Both consolidation (``consolidate.py``: tensors read from a sharded checkpoint) and full-weight exports
-from a live run (``export.py``: tensors gathered unit by unit) hold one tensor, or one unit, at a time;
+Both consolidation (``checkpoint/consolidate.py``: tensors read from a sharded checkpoint) and full-weight exports
+from a live run (``full_weights.py``: tensors gathered unit by unit) hold one tensor, or one unit, at a time;
 the whole model never exists in one process.
 
 [Note: a torch.save file, tensor by tensor]

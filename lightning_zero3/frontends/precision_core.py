@@ -1,5 +1,5 @@
-"""What zero3's precision plugins for the Trainer (``precision.py``) and Fabric (``fabric.py``) share: the
-dtypes of each ``precision=`` flag (see the table in ``precision.py``), converting the module and inputs,
+"""What zero3's precision plugins for the Trainer (``trainer/precision.py``) and Fabric (``fabric/strategy.py``) share: the
+dtypes of each ``precision=`` flag (see the table in ``trainer/precision.py``), converting the module and inputs,
 autocast, the sharded loss scaler and its state."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _COMPUTE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": 
 
 class PrecisionCore:
     """The dtypes and loss scaling of a precision flag under zero3: what the Trainer's plugin
-    (``precision.py``) and Fabric's (``fabric.py``) share. A mixin placed before Lightning's base class."""
+    (``trainer/precision.py``) and Fabric's (``fabric/strategy.py``) share. A mixin placed before Lightning's base class."""
 
     def __init__(self, precision: str = "32-true", scaler: Optional[ShardedLossScaler] = None) -> None:
         if precision not in SUPPORTED_PRECISION:

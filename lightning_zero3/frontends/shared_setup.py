@@ -156,7 +156,7 @@ class ProcessesMixin:
         utils_rank_zero_only.rank = rank
 
     def _start_watchdog(self) -> None:
-        """See ``engine/watchdog.py``: a failure on one rank ends every rank, with a message."""
+        """See ``engine/failure/watchdog.py``: a failure on one rank ends every rank, with a message."""
         if self._watchdog is not None or torch.distributed.get_world_size() < 2:
             return
         config = self.config
@@ -230,7 +230,7 @@ def built_on_meta(config: Zero3Config, device: torch.device):
 def new_engine(module: nn.Module, config: Zero3Config, device: torch.device, dtypes: DtypePolicy,
                ranks_per_node: int, activations=None) -> Zero3Engine:  # fmt: skip
     """Shard ``module`` (Lightning numbers ranks node by node: ``ranks_per_node`` consecutive ranks per node).
-    ``activations``: a training step's, for the automatic offload plan (auto_plan.py)."""
+    ``activations``: a training step's, for the automatic offload plan (trainer/auto_plan.py)."""
     comm = Communicator(ranks_per_node=ranks_per_node)
     return Zero3Engine(module, config, comm, device, dtypes, init_hook(module), activations)
 

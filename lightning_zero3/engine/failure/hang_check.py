@@ -5,7 +5,7 @@ A collective pairs the n-th call of every rank on one process group. When ranks 
 (``trainer.save_checkpoint`` under ``if rank == 0``: rank 0 waits in the save's first collective, the
 others in the next step's), every rank waits for ever: gloo's timeout is 30 minutes, and Python signal
 handlers do not run meanwhile. Each rank's watchdog thread publishes its ``CollectiveLog`` record
-(collective_log.py) in its heartbeat, and reads its peers' (watchdog.py). From those records:
+(comm/collective_log.py) in its heartbeat, and reads its peers' (watchdog.py). From those records:
 
 - rank r *waits for* rank x when r is blocked in the ``s``-th collective on group g and x, a member of
   g, has issued fewer than ``s`` there (x has not reached it yet). A member that has issued it will

@@ -14,7 +14,7 @@ the previous one ([Note: atomic checkpoint directories] in checkpoint/atomic.py)
 One wakeup descriptor exists per process: one already set (an event loop's) keeps receiving every
 byte, forwarded. A SIGTERM that is ignored (``SIG_IGN``) stays ignored. Lightning's own SIGTERM handler
 runs a ``dist.broadcast`` inside the handler, which would pair with whatever collective the other ranks
-run: the strategy replaces it (``strategy.py``, ``on_train_start``) with ``lightning_handler``.
+run: the strategy replaces it (``frontends/trainer/strategy.py``, ``on_train_start``) with ``lightning_handler``.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ GRAD_SHARDS = "grad_shards"  # this rank's 1/N of every gradient, in the shard d
 OPTIMIZER_STATE = "optimizer_state"  # the optimizers' state tensors in memory (Adam's moments, ...)
 PERSISTENT_PARAMS = "persistent_params"  # whole copies of the small parameters every rank keeps
 GATHERED_PARAMS = "gathered_params"  # full parameters of units gathered right now
-SECONDARY_SHARDS = "secondary_shards"  # node-local copies kept from forward for backward (see secondary.py)
+SECONDARY_SHARDS = "secondary_shards"  # node-local copies kept from forward for backward (see shard/secondary.py)
 STAGING = "staging_buffers"  # reused transient buffers: packed gradients, collective landing zones
 OFFLOAD_HOST = "offload_host"  # host-memory tier of offload: master / gradient shards, staging buffers
 OFFLOAD_NVME = "offload_nvme"  # bytes of swap files on the NVMe tier (on disk, not in memory)
@@ -98,7 +98,7 @@ class ByteLedger:
     peak_total: int = 0
     watchers: list = field(default_factory=list)  # per-category peaks of the phases being watched
     # gathered parameters plus staging buffers at their highest outside evaluation: what a training step
-    # needs on top of the shards (the automatic inference budget is held to it, see residency.py)
+    # needs on top of the shards (the automatic inference budget is held to it, see schedule/residency.py)
     peak_training_transient: int = 0
     evaluating: bool = False
 
@@ -421,7 +421,7 @@ def keep_heap_top() -> None:
     peak RSS of 948-1003 MiB per rank against 926-939 without the pad (DDP: 1094). A trim threshold of
     1 TiB (never trim) also removed the faults, but peaked at 944-983 MiB: what backward allocates
     outside the heap (the gradient shards' first pages) then stacks on the heap's whole high-water mark.
-    The whole-run peak of ``benchmark_memory.py --strategies zero3 --capacity-layers 0`` (2 runs): 1715 /
+    The whole-run peak of ``examples/benchmarks/benchmark_memory.py --strategies zero3 --capacity-layers 0`` (2 runs): 1715 /
     1661 MiB per rank with this policy, 1714 / 1814 with glibc's own. Engines that offload map their large
     temporaries instead and trim after every step ([Note: large temporaries are mapped]); on an
     accelerator the host heap is not where training's memory is, and it is left alone."""

@@ -10,7 +10,7 @@ The engine is built before any training step, so it cannot see one. Measuring th
 choosing then would be too late: by then the weights are placed in the tiers of some plan. So the
 strategy measures a step on the meta device before the engine is built, as ``lightning-zero3 estimate``
 does (``measure_activations``): the LightningModule's own ``training_step`` on a meta batch shaped like
-the job's (one sample of the training set, repeated to the loader's batch size; see strategy.py). That
+the job's (one sample of the training set, repeated to the loader's batch size; see frontends/trainer/strategy.py). That
 needs the model's parameters still on the meta device (built in ``configure_model`` or under
 ``Trainer.init_module(empty_init=True)``, the way a model too big for one process is built anyway) and a
 map-style training set. Where either is missing the activations count as 0, the log says so, and the

@@ -10,7 +10,7 @@ Backward: the pre-backward hook (first gradient reaching an output) re-gathers. 
           (``grads.ReductionQueue``), which reduce-scatters in an order every rank shares.
 End:      a callback queued on the autograd engine ends every unit's backward, lets the queue finish and
           releases everything not held by a running forward.
-The reasons that keep a unit gathered, and its states within a backward, are in ``runtime.py``.
+The reasons that keep a unit gathered, and its states within a backward, are in ``shard/runtime.py``.
 
 [Note: post-backward signal]
 A unit whose parameters did not all get a gradient (an expert no token was routed to, a frozen unit)

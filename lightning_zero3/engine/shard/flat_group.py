@@ -164,7 +164,7 @@ class FlatGroup:
         self.landed: list[bool] = []
         self.landed_version = 0
         self.pending: Optional[Then] = None  # an all-gather in flight into ``full`` (see gather.py)
-        # agrees with every rank on each all-gather before it is issued (set by the engine; see agreement.py)
+        # agrees with every rank on each all-gather before it is issued (set by the engine; see comm/agreement.py)
         self.check: Optional["OrderCheck"] = None
         # how its all-gathers travel, set by the engine (see [Note: gather routes] in gather.py)
         self.quantized = False  # int8 blocks on the primary route
@@ -462,7 +462,7 @@ class FlatGroup:
         """The parameters whose ``requires_grad`` is no longer what this group was built with.
 
         [Note: the trainable set is fixed at setup]
-        Which parameters train decides how a unit is laid out (rule 4 in units.py), which have a gradient
+        Which parameters train decides how a unit is laid out (rule 4 in layout/units.py), which have a gradient
         shard, which the optimizer steps and which hooks count gradients; all of it is built once. A
         parameter unfrozen later would get an ordinary ``.grad`` that nothing reduces or steps (and that
         nothing frees); one frozen later would still be stepped with a zero gradient. So the engine asks

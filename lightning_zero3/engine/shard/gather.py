@@ -158,7 +158,7 @@ class Then:
         self._pending, self._then, self.done = pending, then, False
 
     def issue(self) -> None:
-        """Issued already (a gather agreed on ahead is a ``CheckedAhead`` until issued, see agreement.py)."""
+        """Issued already (a gather agreed on ahead is a ``CheckedAhead`` until issued, see comm/agreement.py)."""
 
     def wait(self) -> None:
         if not self.done:

@@ -1,11 +1,11 @@
-"""``UnitRuntime``: the live state of one planned unit (see ``units.py``) while the model runs.
+"""``UnitRuntime``: the live state of one planned unit (see ``layout/units.py``) while the model runs.
 
 A unit's full parameters stay gathered while any of four reasons holds; it is released when none does:
   - ``forward_depth``: its forward is running (nested or repeated calls count separately);
   - ``backward_hold``: its backward has started (or is due right after its forward, see
     ``Schedule.keep_for_backward``) and is not over yet;
   - ``context_holds``: a ``gathered_parameters`` block is open on it;
-  - ``resident``: an evaluation stage keeps it gathered across forward calls (see ``residency.py``).
+  - ``resident``: an evaluation stage keeps it gathered across forward calls (see ``schedule/residency.py``).
 
 Within one backward pass a unit goes: started (its pre-backward hook ran) -> over (its backward is over:
 its post-backward signal fired, or, for a unit without one, every trainable parameter has its gradient

@@ -28,7 +28,7 @@ against 1/N for the primary shards.
 
 Every rank decides alike whether a gather reads secondary shards: a secondary shard exists when its
 unit was released after a forward with gradients, which every rank runs alike (every gather is checked,
-see agreement.py), and is dropped at the end of the unit's backward, after which the unit is not
+see comm/agreement.py), and is dropped at the end of the unit's backward, after which the unit is not
 gathered again in that backward.
 """
 

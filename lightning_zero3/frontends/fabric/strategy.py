@@ -58,7 +58,7 @@ from ..shared_setup import ProcessesMixin, built_on_meta, new_engine
 
 
 class Zero3FabricPrecision(PrecisionCore, Precision):
-    """Fabric's zero3 precision plugin: the flags of ``precision.py``'s table, the same dtypes and scaler."""
+    """Fabric's zero3 precision plugin: the flags of ``trainer/precision.py``'s table, the same dtypes and scaler."""
 
     def __init__(self, precision: str = "32-true", scaler: Any = None) -> None:
         super().__init__(precision, scaler)

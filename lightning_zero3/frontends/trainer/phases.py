@@ -1,4 +1,4 @@
-"""The Trainer's steps as phases (engine/collective_log.py), and its SIGTERM handler replaced.
+"""The Trainer's steps as phases (engine/comm/collective_log.py), and its SIGTERM handler replaced.
 
 ``PhasesMixin`` goes before Lightning's strategy class in ``Zero3Strategy``'s bases: each step method
 runs inside a phase named after it and the step number, so a message about ranks that wait in

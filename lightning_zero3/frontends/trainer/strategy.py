@@ -311,7 +311,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    # -- evaluation stages: see engine/residency.py -----------------------------------------------------
+    # -- evaluation stages: see engine/schedule/residency.py -----------------------------------------------------
 
     def on_validation_start(self) -> None:
         self._evaluation(start=True)
