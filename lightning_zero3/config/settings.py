@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .deepspeed import merge, translate
+from .precision_flags import DTYPES
 from ..errors import Zero3ConfigError
 
 #: What ``unit_modules`` accepts: module classes, class names (``"Block"`` or ``"pkg.mod.Block"``), or a
@@ -27,12 +28,6 @@ UnitPolicy = Union[None, Callable[[nn.Module], bool], "list[Union[type, str]]", 
 
 _BACKENDS = (None, "gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
 
-
-#: Values of Lightning's ``precision=`` flag that zero3 runs.
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-
-#: Names accepted for dtype settings.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)

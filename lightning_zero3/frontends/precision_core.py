@@ -11,14 +11,11 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from ..config.settings import DTYPES, SUPPORTED_PRECISION
+from ..config.precision_flags import DTYPES, PRECISION_FLAGS, SUPPORTED_PRECISION
 from ..engine import Zero3Engine
 from ..engine.layout.slots import DtypePolicy
 from ..engine.scaler import ShardedLossScaler
 from ..errors import UnsupportedPrecisionError
-
-_COMPUTE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
-            "bf16-true": torch.bfloat16, "16-true": torch.float16}  # fmt: skip
 
 
 class PrecisionCore:
@@ -30,13 +27,14 @@ class PrecisionCore:
             raise UnsupportedPrecisionError(
                 f"zero3: `precision={precision!r}` is not supported; use one of {list(SUPPORTED_PRECISION)}."
             )
-        if scaler is not None and precision != "16-mixed":
+        flag = PRECISION_FLAGS[precision]
+        if scaler is not None and not flag.loss_scaled:
             raise UnsupportedPrecisionError(f"zero3: a loss scaler only applies to '16-mixed', not {precision!r}.")
         self.precision = precision
-        self.compute_dtype = _COMPUTE[precision]
-        self.mixed = precision.endswith("-mixed")
-        self.master_dtype = torch.float32 if self.mixed or precision == "32-true" else self.compute_dtype
-        self.scaler = scaler or (ShardedLossScaler() if precision == "16-mixed" else None)
+        self.compute_dtype = flag.compute
+        self.mixed = flag.mixed
+        self.master_dtype = flag.master
+        self.scaler = scaler or (ShardedLossScaler() if flag.loss_scaled else None)
         self.engine: Optional[Zero3Engine] = None
         self.device_type = "cpu"  # set by the strategy at setup, for autocast
 

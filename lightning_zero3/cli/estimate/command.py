@@ -14,13 +14,14 @@ import json
 import os
 import shutil
 import sys
-from typing import Optional
 
+from ...config.precision_flags import PRECISION_FLAGS
 from ...config.settings import Zero3Config, parse_budget
 from ...engine.plan import Job, choose_plan, estimate_plans, measure_activations, model_facts
+from ...engine.memory.proc import MEMINFO, kib_field_bytes
 from ...engine.plan.choose import NothingFitsError
 from . import baseline
-from .job import PRECISION_BYTES, JobSpec, from_hf, from_yaml
+from .job import JobSpec, from_hf, from_yaml
 
 COLUMNS = (("param_shards", "params"), ("grad_shards", "grads"), ("optimizer_state", "optim"),
            ("persistent_params", "persist"), ("gathered_peak", "gathered"), ("grad_staging", "grad stage"),
@@ -51,16 +52,6 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
-def _mem_total() -> Optional[int]:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def load_job(args: argparse.Namespace, overrides: list[str]) -> JobSpec:
     if args.config:
         if args.devices:
@@ -80,7 +71,7 @@ def run(argv) -> list[dict]:
     facts = model_facts(spec.model, cfg.unit_modules, cfg.persistence_threshold, world)
     activations = measure_activations(spec.model, spec.step, unit_modules=cfg.unit_modules,
                                       persistence_threshold=cfg.persistence_threshold, seq_len=spec.seq_len)  # fmt: skip
-    host = parse_budget(args.host_memory) if args.host_memory else (_mem_total() if spec.on_cpu else None)
+    host = parse_budget(args.host_memory) if args.host_memory else (kib_field_bytes(MEMINFO, "MemTotal") if spec.on_cpu else None)
     if args.device_memory:
         device = parse_budget(args.device_memory)
     elif spec.on_cpu and host:
@@ -90,7 +81,8 @@ def run(argv) -> list[dict]:
     else:
         device = None
     host_rank = baseline.host_baseline()
-    master, compute = PRECISION_BYTES[spec.precision]
+    flag = PRECISION_FLAGS[spec.precision]
+    master, compute = flag.master_bytes, flag.compute_bytes
     nvme_free = shutil.disk_usage(args.nvme_path).free if args.nvme_path and os.path.isdir(args.nvme_path) else None
     job = Job(
         world_size=world, ranks_per_node=spec.devices, master_bytes=master, compute_bytes=compute,

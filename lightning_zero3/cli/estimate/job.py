@@ -24,10 +24,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ...config.precision_flags import PRECISION_FLAGS, SHORT_NAMES
 from ...config.settings import Zero3Config
 
-#: (master, compute) bytes per element of each precision flag (see engine/layout/slots.py)
-PRECISION_BYTES = {"32-true": (4, 4), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2), "16-true": (2, 2)}
 
 
 @dataclass
@@ -47,7 +46,7 @@ class JobSpec:
 
 def _precision_name(value) -> str:
     text = str(value)
-    return {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(text, text)
+    return SHORT_NAMES.get(text, text)
 
 
 def from_yaml(path: str, overrides: list[str], batch_size: Optional[int], seq_len: Optional[int]) -> JobSpec:
@@ -108,7 +107,7 @@ def from_hf(source: str, config: Zero3Config, precision: str, devices: int, num_
     # 16-bit runs: measured with the model in that dtype (autocast does not act on meta tensors; it would
     # keep a few ops, softmax and the loss, in fp32: the figure is a little low there)
     if precision != "32-true":
-        model.to(torch.float16 if precision.startswith("16") else torch.bfloat16)
+        model.to(PRECISION_FLAGS[precision].compute)
 
     def step() -> object:
         return model(input_ids=tokens, labels=tokens).loss

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ...config.settings import Zero3Config, parse_budget
+from ..memory.proc import MEMINFO, STATUS, kib_field_bytes
 from .choose import choose_plan
 from .estimate import Job, PlanEstimate
 from .facts import Activations, model_facts
@@ -38,19 +39,11 @@ MARGIN = 0.10  # of free memory left aside when memory_budget is "auto"
 
 
 def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return kib_field_bytes(STATUS, key) or 0
 
 
 def _available_host() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return kib_field_bytes(MEMINFO, "MemAvailable") or 0
 
 
 def budget_bytes(config: Zero3Config, device: torch.device, local_ranks: int) -> int:

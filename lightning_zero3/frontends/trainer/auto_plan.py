@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -14,6 +13,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import default_collate
 
 from ...config.settings import Zero3Config
+from ...engine.memory.proc import STATUS, kib_field_bytes
 from ...engine.plan import Activations, measure_activations
 
 log = logging.getLogger("lightning_zero3")
@@ -66,10 +66,7 @@ def step_activations(trainer: Any, module: torch.nn.Module, config: Zero3Config)
 def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):  # the rank's resident high-water mark so far
-            return int(line.split()[1]) * 1024
-    return 0
+    return kib_field_bytes(STATUS, "VmHWM") or 0  # the rank's resident high-water mark so far
 
 
 def first_step_warning(engine: Any) -> Optional[str]:

@@ -28,7 +28,7 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from ...config.settings import SUPPORTED_PRECISION
+from ...config.precision_flags import SUPPORTED_PRECISION
 from ...errors import UnsupportedPrecisionError
 from ..precision_core import PrecisionCore, translate_precision
 
