@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
@@ -358,7 +359,25 @@ def _check_hierarchy(config: "Zero3Config") -> None:
         )
 
 
-OFFLOAD_DEVICES = (None, "cpu", "nvme")
+class OffloadTier(str, Enum):
+    """Where offloaded state lives (``offload_optimizer`` / ``offload_params``; ``None`` is the training
+    device). A ``str``, so ``config.offload_optimizer == "nvme"``, YAML and JSON see the plain names."""
+
+    CPU = "cpu"  # host memory
+    NVME = "nvme"  # swap files under ``nvme_path``
+
+    @property
+    def depth(self) -> int:
+        """How far from the device: a parameter tier may not be deeper than the optimizer's."""
+        return 1 if self is OffloadTier.CPU else 2
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:  # messages name the setting's value as the user wrote it
+        return repr(self.value)
+
+
 CHECKPOINT_FORMATS = ("sharded", "full")
 
 
@@ -375,7 +394,9 @@ def _check_offload(config: "Zero3Config") -> None:
         value = getattr(config, name)
         if value in ("none", "device"):
             object.__setattr__(config, name, None)
-        elif value not in OFFLOAD_DEVICES and value != "auto":
+        elif value in tuple(OffloadTier):
+            object.__setattr__(config, name, OffloadTier(value))
+        elif value is not None and value != "auto":
             raise Zero3ConfigError(
                 f"zero3: `{name}={value!r}` is not an offload target; use None (stay on the training device), "
                 '"cpu" or "nvme", or "auto" (the lightest plan that fits `memory_budget`).'
@@ -405,14 +426,16 @@ def _check_offload(config: "Zero3Config") -> None:
             'zero3: an "auto" offload plan may choose NVMe and needs `nvme_path`, a directory on a fast local disk '
             'for the swap files; for example nvme_path="/local_nvme".'
         )
-    depth = {None: 0, "cpu": 1, "nvme": 2}
-    if not auto and depth[config.offload_params] > depth[config.offload_optimizer]:
+    def depth(tier: Optional[OffloadTier]) -> int:
+        return 0 if tier is None else tier.depth
+
+    if not auto and depth(config.offload_params) > depth(config.offload_optimizer):
         raise Zero3ConfigError(
             f"zero3: `offload_params={config.offload_params!r}` needs `offload_optimizer` at the same tier or "
             f"deeper (the optimizer steps the shards where it keeps them), got `offload_optimizer="
             f"{config.offload_optimizer!r}`; set offload_optimizer={config.offload_params!r}."
         )
-    uses_nvme = "nvme" in (config.offload_optimizer, config.offload_params) and not auto
+    uses_nvme = OffloadTier.NVME in (config.offload_optimizer, config.offload_params) and not auto
     if uses_nvme and not config.nvme_path:
         raise Zero3ConfigError(
             "zero3: offload to \"nvme\" needs `nvme_path`, a directory on a fast local disk for the swap "

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from ..config.settings import Zero3Config, parse_budget
+from ..config.settings import OffloadTier, Zero3Config, parse_budget
 from .comm.agreement import OrderCheck
 from .comm.communicator import Communicator
 from .failure.process_exit import close_process_groups_at_exit
@@ -232,7 +232,7 @@ class Zero3Engine(OptimizerSide):
         )
         self.hooks = HookManager(
             module, self.root, self.unit_runtimes, self.persistent, self.schedule, queue,
-            cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0, self.residency,
+            cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == OffloadTier.NVME else 0, self.residency,
         )
         module.__dict__[_LINK_ATTR] = _EngineLink(self)
         if self.offload is not None:

@@ -445,7 +445,7 @@ class ReductionQueue:
                     return  # its turn comes at a later hook, or when backward ends
                 self._inflight.popleft().wait()
             self._next += 1
-            runtime.reduced = True
+            runtime.mark_reduced()
             packed = pack_gradients(runtime.group, self.comm, runtime.ends_alike)
             assert packed is not None
             self._reduced.append(packed)

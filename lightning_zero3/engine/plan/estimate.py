@@ -33,16 +33,17 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from ...config.settings import OffloadTier
 from .facts import Activations, ModelFacts
 
 #: (name, offload_optimizer, offload_params), lightest first: each plan moves more off the device, and costs
 #: more time per step, than the one before it.
 PLANS = (
     ("none", None, None),
-    ("optimizer->cpu", "cpu", None),
-    ("all->cpu", "cpu", "cpu"),
-    ("optimizer->nvme", "nvme", None),
-    ("all->nvme", "nvme", "nvme"),
+    ("optimizer->cpu", OffloadTier.CPU, None),
+    ("all->cpu", OffloadTier.CPU, OffloadTier.CPU),
+    ("optimizer->nvme", OffloadTier.NVME, None),
+    ("all->nvme", OffloadTier.NVME, OffloadTier.NVME),
 )
 
 
@@ -145,21 +146,21 @@ def estimate_plan(name: str, offload_optimizer: Optional[str], offload_params: O
     count = buffer_count if buffer_count is not None else job.buffer_count
     largest_group = max(facts.group_shard_numels, default=0) * m
     staging = 0
-    if offload_optimizer == "nvme":
+    if offload_optimizer == OffloadTier.NVME:
         staging = count * (2 + job.state_per_element) * largest_group
-        if offload_params == "nvme":
+        if offload_params == OffloadTier.NVME:
             staging += count * largest_group
 
     on_device = {"params": params, "grads": grads, "state": state}
     on_host = {}
     on_nvme = {}
-    if offload_optimizer == "cpu":
+    if offload_optimizer == OffloadTier.CPU:
         on_host.update(grads=on_device.pop("grads"), state=on_device.pop("state"))
-    elif offload_optimizer == "nvme":
+    elif offload_optimizer == OffloadTier.NVME:
         on_nvme.update(grads=on_device.pop("grads"), state=on_device.pop("state"))
-    if offload_params == "cpu":
+    if offload_params == OffloadTier.CPU:
         on_host["params"] = on_device.pop("params")
-    elif offload_params == "nvme":
+    elif offload_params == OffloadTier.NVME:
         on_nvme["params"] = on_device.pop("params")
     transient = persistent + gathered + grad_staging + act
     device = sum(on_device.values()) + transient + job.baseline_device

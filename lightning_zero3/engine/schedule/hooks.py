@@ -69,7 +69,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..comm.agreement import ExecutionOrderError
 from ..grads.reduction import ReductionQueue
-from ..shard.runtime import PostBackwardToken, UnitRuntime
+from ..shard.runtime import BackwardPhase, PostBackwardToken, UnitRuntime
 from .gathers import start_gathers
 from .prefetch import Schedule
 from .residency import Residency
@@ -195,7 +195,7 @@ class HookManager:
         forward whose output was not backpropagated), so they are released, and this forward's memory is
         the same as every step's. A backward that does come later gathers them at its units' starts."""
         for runtime in self.runtimes:
-            if runtime.backward_hold and not runtime.backward_started:
+            if runtime.backward_hold and runtime.phase is BackwardPhase.IDLE:
                 runtime.backward_hold = False
         self._release_unheld()
 
@@ -291,9 +291,7 @@ class HookManager:
     def _register_pre_backward(self, runtime: UnitRuntime, tensors: list[torch.Tensor]) -> None:
         def hook(grad: torch.Tensor) -> None:
             self._begin_backward()
-            if not runtime.backward_started and not runtime.backward_over:
-                runtime.backward_started = True
-                runtime.backward_hold = True
+            if runtime.start_backward():
                 self._start("backward", runtime)
                 runtime.group.land_gradients()  # [Note: gradients land in a pooled buffer] in engine/shard/flat_group.py
             self.queue.advance()
@@ -320,7 +318,7 @@ class HookManager:
         def hook(param: torch.Tensor) -> None:
             if not self._backward_running:  # _begin_backward's own check, inline: this hook runs per parameter
                 self._begin_backward()
-            if runtime.reduced:
+            if runtime.phase is BackwardPhase.REDUCED:
                 raise _late_gradient(runtime, param)
             runtime.grads_ready += 1
             if runtime.all_grads_in():
