@@ -495,10 +495,6 @@ class Zero3Engine(OptimizerSide):
         units = ([self.root] if self.root else []) + [rt for _, rt in self.unit_runtimes]
         return {rt.name: rt.group.full.numel() * rt.group.full.element_size() for rt in units}
 
-    @property
-    def gathered_bytes(self) -> int:
-        return self.ledger.held[GATHERED_PARAMS]
-
     def trim(self) -> None:
         """Hand idle staging buffers back to the kernel (between phases: after ``fit``, before evaluation)."""
         self.pool.trim()

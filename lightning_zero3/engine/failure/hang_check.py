@@ -38,7 +38,7 @@ ranks would load the store that every rank's rendezvous depends on.)
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ..comm.collective_log import GENERIC_FIX
 
@@ -165,13 +165,3 @@ def describe(records: dict[int, Record], chain: list[int], check: HangCheck, now
         f"{HANG} (found by rank {check.rank}): "
         f"{lines}. To fix: {fix}"
     )
-
-
-def fetch_all(read: Callable[[int], Optional[bytes]], world_size: int) -> dict[int, bytes]:
-    """Every rank's heartbeat value that can be read (``read`` returns None for one not there yet)."""
-    values = {}
-    for rank in range(world_size):
-        value = read(rank)
-        if value is not None:
-            values[rank] = value
-    return values

@@ -28,7 +28,6 @@ from torch import nn
 from ..comm.communicator import Communicator
 from ..layout.released import engine_access, mark_gathered, mark_released
 from ..layout.slots import DtypePolicy, ParamSlot
-from ..layout.sources import TensorValue
 from ..memory.buffers import (
     GATHERED_PARAMS,
     GRAD_SHARDS,
@@ -320,10 +319,6 @@ class FlatGroup:
             if pooled is not None:
                 self.store.offload.host.give(pooled)
             self.pool.give(flat)
-
-    def load_slice(self, slot: ParamSlot, full_value: torch.Tensor) -> None:
-        """Set this rank's piece of ``slot``'s parameter from the parameter's full value."""
-        self.load_piece(slot, TensorValue(full_value, "the state dict's value"))
 
     def load_piece(self, slot: ParamSlot, source: "TensorSource") -> None:
         """Set this rank's piece of ``slot``'s parameter from ``source``, read by element range (see
