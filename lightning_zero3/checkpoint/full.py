@@ -15,7 +15,6 @@ read (``engine.load_full_state_dict``, ``load_full_optimizer_state``).
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -25,7 +24,7 @@ from ..engine import Zero3Engine
 from ..engine.state.optimizer_state import full_state_layout, gathered_state
 from .api import agree_on_outcome
 from .atomic import fsync_path
-from ..export.writers import TensorEntry, TorchFileWriter, placeholder
+from ..export.writers import TensorEntry, TorchFileWriter, placeholder, staging_path
 
 #: what ``lightning_module_state_dict`` / ``optimizer_state`` hand Lightning in full mode: the values are
 #: written by ``save_full_checkpoint`` as they are gathered
@@ -66,7 +65,7 @@ def save_full_checkpoint(
         checkpoint.update(zip(optimizer_keys, states))
     elif optimizers:
         checkpoint["optimizer_states"] = states
-    staging = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
+    staging = staging_path(path)
     writer = None
     error: Optional[Exception] = None
     try:

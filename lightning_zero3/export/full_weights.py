@@ -11,7 +11,6 @@ whole or not at all; an error on the writing rank reaches every rank.
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -24,7 +23,7 @@ from ..engine.comm.collective_log import EXPORT_FIX, collective, in_phase
 from ..engine.engine import owning_engine
 from .adapters import LoraMerge, adapter_values, lora_merge, merged
 from .hf import DEFAULT_MAX_SHARD, find_hf_model, hf_configuration, source_directory, to_hub_layout, write_hf_directory
-from .writers import TensorEntry, write_safetensors, write_torch
+from .writers import TensorEntry, failures_everywhere, staging_path, write_safetensors, write_torch
 
 FORMATS = ("pt", "safetensors", "hf")
 
@@ -65,7 +64,7 @@ def save_full_weights(
     entries, values = _plan(module, engine, prefix, merge)
     if not entries:
         raise ValueError(f"zero3: no tensor of the module has a name starting with {prefix!r}.")
-    staging = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging = staging_path(path)
     error: Optional[str] = None
     try:
         if writing and fmt == "hf":
@@ -89,9 +88,10 @@ def save_full_weights(
     finally:
         staging.unlink(missing_ok=True)
     if world > 1:
-        errors = [e for e in _all_gather_objects(engine, error) if e]
-        if errors:
-            raise RuntimeError(f"zero3: writing full weights to {path} failed on rank 0: {errors[0]}")
+        causes = failures_everywhere(error, lambda obj: _all_gather_objects(engine, obj))
+        if causes:
+            rank, cause = min(causes.items())
+            raise RuntimeError(f"zero3: writing full weights to {path} failed on rank {rank}: {cause}")
     return path
 
 

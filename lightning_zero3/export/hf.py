@@ -30,14 +30,13 @@ import os
 import re
 import shutil
 import sys
-import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
-from .writers import TensorEntry, write_safetensors
+from .writers import TensorEntry, staging_path, write_safetensors
 
 DEFAULT_MAX_SHARD = "5GB"  # save_pretrained's default
 HF_CONFIG = "hf_config.json"  # inside a sharded checkpoint: {"prefix": ..., "config": ..., "generation_config": ...}
@@ -160,7 +159,7 @@ def write_hf_directory(
             size = 0
         shards[-1].append(entry)
         size += nbytes
-    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging = staging_path(out)
     staging.mkdir(parents=True)
     try:
         names = [WEIGHTS] if len(shards) == 1 else [

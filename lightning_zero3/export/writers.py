@@ -25,13 +25,34 @@ import json
 import pickle
 import struct
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from ..engine.memory.buffers import host_buffer
+
+
+def staging_path(final: Path) -> Path:
+    """The hidden sibling ``.<name>.partial-<id>`` that a file or directory is written under, and renamed
+    from once whole (see [Note: atomic checkpoint directories] in checkpoint/atomic.py): nothing takes it for
+    ``final``, and a write that was killed leaves only a name that ``stale_staging_paths`` finds."""
+    return final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
+
+
+def stale_staging_paths(final: Path) -> Iterator[Path]:
+    """What writes of ``final`` that never finished left behind."""
+    return final.parent.glob(f".{final.name}.partial-*")
+
+
+def failures_everywhere(error: Optional[str], all_gather_objects: Callable[[Any], list]) -> dict[int, str]:
+    """This rank's outcome of a write (an error message, or None) traded for every rank's: rank -> message
+    of each rank where it failed, the same dict on every rank (a collective). Parts of a write run on one
+    rank alone; were that rank to raise there, the others would wait in the next collective until the
+    timeout (see [Note: a failed save fails everywhere] in checkpoint/api.py)."""
+    return {rank: outcome for rank, outcome in enumerate(all_gather_objects(error)) if outcome is not None}
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -18,6 +18,16 @@ from ..engine.scaler import ShardedLossScaler
 from ..errors import UnsupportedPrecisionError
 
 
+def require_engine(engine: Optional[Zero3Engine]) -> Zero3Engine:
+    """The engine of a door that has set up its model: the error names the call that does it."""
+    if engine is None:
+        raise RuntimeError(
+            "zero3: no model is set up yet; call `fabric.setup(model, optimizer)` first (under the Trainer, "
+            "`trainer.fit` sets it up)."
+        )
+    return engine
+
+
 class PrecisionCore:
     """The dtypes and loss scaling of a precision flag under zero3: what the Trainer's plugin
     (``trainer/precision.py``) and Fabric's (``fabric/strategy.py``) share. A mixin placed before Lightning's base class."""
@@ -73,9 +83,7 @@ class PrecisionCore:
         return self.scaler.scale_loss(tensor) if self.scaler is not None else tensor
 
     def _require_engine(self) -> Zero3Engine:
-        if self.engine is None:
-            raise RuntimeError("zero3: the precision plugin was used before the strategy set up its engine.")
-        return self.engine
+        return require_engine(self.engine)
 
     # -- checkpointed state -----------------------------------------------------------------------
 

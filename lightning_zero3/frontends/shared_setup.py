@@ -28,7 +28,7 @@ from lightning.pytorch import LightningModule
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
-from ..config.settings import Zero3Config
+from ..config.settings import Zero3Config, default_nvme_path
 from .cpu_threads import gather_core_sets, ranks_sharing, threads_per_rank
 from ..engine import Communicator, Zero3Engine
 from ..engine.comm.collective_log import collective
@@ -190,6 +190,25 @@ class ProcessesMixin:
             engine.release_offload()
 
 
+#: The strategy names zero3 registers, the same for the Trainer and Fabric: (name, description, settings).
+STRATEGY_NAMES = (
+    ("zero3", "ZeRO stage 3: parameters, gradients and optimizer states sharded across ranks", {}),
+    ("zero3_offload", "ZeRO stage 3 with optimizer state and parameter shards offloaded to host memory",
+     {"offload_optimizer": "cpu", "offload_params": "cpu"}),
+    ("zero3_offload_nvme", "ZeRO stage 3 with optimizer state and parameter shards swapped to NVMe files",
+     {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": None}),
+)  # fmt: skip
+
+
+def register_names(strategy_cls: type, registry: Any) -> None:
+    """``strategy_cls`` under each of ``STRATEGY_NAMES`` in a Lightning strategy registry (the Trainer's or
+    Fabric's); the NVMe preset swaps under the system's temp directory (``default_nvme_path``)."""
+    for name, description, settings in STRATEGY_NAMES:
+        if "nvme_path" in settings:
+            settings = {**settings, "nvme_path": default_nvme_path()}
+        registry.register(name, strategy_cls, description=description, **settings)
+
+
 def init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
     """The module's ``init_weights(module)``, the custom init for modules built on the meta device whose
     construction did not set their parameters (see [Note: eager construction replayed] in engine/layout/materialize.py).
@@ -204,13 +223,22 @@ def init_hook(module: nn.Module) -> Optional[Callable[[nn.Module], None]]:
     try:
         inspect.signature(hook).bind(module)
     except (TypeError, ValueError):
-        if not isinstance(module, LightningModule):
+        if not _is_lightning_module(module):
             return None
         raise TypeError(
             f"zero3: `{type(module).__name__}.init_weights` must take one argument, the module to initialise "
             "(it is called for every module built on the meta device, after its reset_parameters())."
         ) from None
     return hook
+
+
+def _is_lightning_module(module: nn.Module) -> bool:
+    """A LightningModule of either Lightning: ``pytorch_lightning``'s is a class of its own (see [Note: two
+    Lightnings] in frontends/registration.py), checked only where that package was imported."""
+    if isinstance(module, LightningModule):
+        return True
+    other = sys.modules.get("pytorch_lightning")
+    return other is not None and isinstance(module, other.LightningModule)
 
 
 def built_on_meta(config: Zero3Config, device: torch.device):

@@ -46,15 +46,15 @@ from torch.optim import Optimizer
 from ...checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from ...checkpoint.files import save_file_atomically, torch_load_checked
 from ...checkpoint.full import save_full_checkpoint
-from ...config.settings import Zero3Config, default_nvme_path
+from ...config.knobs import build_config
+from ...config.settings import Zero3Config
 from ...engine import Zero3Engine, engine_of
 from ...engine.comm.collective_log import FABRIC_SAVE_FIX, in_phase
 from ...engine.layout.materialize import move_real_tensors
 from ...errors import Zero3ConfigError
-from ...config.knobs import build_config
-from ..precision_core import PrecisionCore, translate_precision
 from ...pretrained import load_pretrained
-from ..shared_setup import ProcessesMixin, built_on_meta, new_engine
+from ..precision_core import PrecisionCore, require_engine, translate_precision
+from ..shared_setup import ProcessesMixin, built_on_meta, new_engine, register_names
 
 
 class Zero3FabricPrecision(PrecisionCore, Precision):
@@ -210,7 +210,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:  # fmt: skip
         """Clip by the norm of the full gradient (a collective), as DDP's ``clip_grad_norm_`` sees it."""
         self.precision.unscale_gradients(optimizer)
-        engine = self._require_engine()
+        engine = require_engine(self._engine)
         total = engine.clip_grad_norm_(float(max_norm), float(norm_type), params=list(self.precision.main_params(optimizer)))
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
@@ -221,12 +221,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
         self.precision.unscale_gradients(optimizer)
-        self._require_engine().clip_grad_value_(float(clip_val), params=list(self.precision.main_params(optimizer)))
-
-    def _require_engine(self) -> Zero3Engine:
-        if self._engine is None:
-            raise RuntimeError("zero3: the model is not set up yet; call `fabric.setup(model, optimizer)` first.")
-        return self._engine
+        require_engine(self._engine).clip_grad_value_(float(clip_val), params=list(self.precision.main_params(optimizer)))
 
     # -- collectives --------------------------------------------------------------------------------
 
@@ -271,7 +266,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
                 "save other modules' state dicts as plain values, or in a checkpoint of their own."
             )
         optimizer_keys = [key for key, value in state.items() if isinstance(value, Optimizer)]
-        foreign = [key for key in optimizer_keys if state[key] not in self._require_engine().optimizers]
+        foreign = [key for key in optimizer_keys if state[key] not in require_engine(self._engine).optimizers]
         if foreign:
             raise ValueError(f"zero3: the optimizers under {foreign} were not set up with this model (`fabric.setup`).")
         filtered = [key for key in optimizer_keys if key in (filter or {})]
@@ -343,14 +338,4 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="ZeRO stage 3: parameters, gradients and optimizer states sharded"
-        )
-        strategy_registry.register(
-            "zero3_offload", cls, description="ZeRO stage 3 with optimizer state and parameter shards in host memory",
-            offload_optimizer="cpu", offload_params="cpu",
-        )  # fmt: skip
-        strategy_registry.register(
-            "zero3_offload_nvme", cls, description="ZeRO stage 3 with optimizer state and parameter shards on NVMe",
-            offload_optimizer="nvme", offload_params="nvme", nvme_path=default_nvme_path(),
-        )  # fmt: skip
+        register_names(cls, strategy_registry)

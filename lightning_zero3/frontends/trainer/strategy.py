@@ -29,17 +29,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
-from ...export.full_weights import save_full_weights
-from .checkpointing import CheckpointingMixin
-from ...config.settings import Zero3Config, default_nvme_path
+from ...config.knobs import DEFAULTS, build_config, knob_docstring
+from ...config.settings import Zero3Config
 from ...engine import Zero3Engine, engine_of
 from ...engine.layout.materialize import move_real_tensors
 from ...errors import Zero3ConfigError
-from ...config.knobs import DEFAULTS, build_config, knob_docstring
+from ...export.full_weights import save_full_weights
+from ..shared_setup import ProcessesMixin, built_on_meta, new_engine, refuse_untrainable, register_names
+from .auto_plan import first_step_warning, step_activations
+from .checkpointing import CheckpointingMixin
 from .phases import PhasesMixin
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
-from .auto_plan import first_step_warning, step_activations
-from ..shared_setup import ProcessesMixin, built_on_meta, new_engine, refuse_untrainable
 
 log = logging.getLogger(__name__)
 
@@ -349,26 +349,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="ZeRO stage 3: parameters, gradients and optimizer states sharded across ranks",
-        )
-        strategy_registry.register(
-            "zero3_offload",
-            cls,
-            description="ZeRO stage 3 with optimizer state and parameter shards offloaded to host memory",
-            offload_optimizer="cpu",
-            offload_params="cpu",
-        )
-        strategy_registry.register(
-            "zero3_offload_nvme",
-            cls,
-            description="ZeRO stage 3 with optimizer state and parameter shards swapped to NVMe files",
-            offload_optimizer="nvme",
-            offload_params="nvme",
-            nvme_path=default_nvme_path(),
-        )
+        register_names(cls, strategy_registry)
 
 
 Zero3Strategy.__init__.__doc__ = knob_docstring(
