@@ -3,13 +3,11 @@
 [Note: process groups closed at exit]
 Lightning's strategies leave the default process group open when a run ends (a Trainer may ``validate``
 or ``test`` after ``fit`` in the same processes), and scripts rarely call ``destroy_process_group``
-themselves. torch then leaves the group to the interpreter's exit, and under gloo that ends about one
-process in three with SIGABRT, "terminate called without an active exception", after all the work is
-done. Measured with torch 2.13: 6 of 15 two-rank scripts of five all-reduces aborted without
-``destroy_process_group``, 0 of 15 with it; 4 of 16 runs of the benchmark's DDP worker and 3 of 16 of
-its zero3 worker aborted. A job scheduler counts such a run as failed.
+themselves. torch then leaves the group to the interpreter's exit, and under gloo that ends a good share
+of processes with SIGABRT, "terminate called without an active exception", after all the work is done.
+A job scheduler counts such a run as failed.
 
-Why (a core dump of such an abort, torch 2.13, Python 3.11): a gloo worker thread
+Why: a gloo worker thread
 (``pt_gloo_runloop``) drops its reference to a finished collective a moment after the caller was woken.
 When that is the last reference to a tensor Python created, dropping it takes the GIL. If the main thread
 reaches the interpreter's finalization first, Python ends any thread that asks for the GIL from then on
@@ -17,22 +15,21 @@ with ``pthread_exit``, whose unwinding through the collective's destructor (``no
 ``std::terminate``. Destroying the groups is not enough by itself: ``destroy_process_group`` only drops
 ``torch.distributed``'s own references, and a group's threads are joined when its last handle goes. The
 engine's ``Communicator`` holds the job's, the reduce-scatter and the check groups, so their threads
-lived on into the finalization: the quick load benchmark's zero3 worker, which called
-``destroy_process_group`` itself, still aborted in 1 of 40 runs, at the decref of the last barrier.
+would live on into the finalization even after ``destroy_process_group``.
 
 Python threads of our own hit the same wall: a watchdog (``watchdog.py``) still beating when its rank
-finalizes, inside a store call while the store's host (rank 0) had already gone, aborted a Fabric script
-on CI (``tests/scripts/fabric_run.py``: nine Fabric strategies in one process, none torn down, since
-Fabric never calls ``teardown``).
+finalizes, inside a store call while the store's host (rank 0) has already gone, aborts the process
+(``tests/scripts/fabric_run.py`` holds the case: nine Fabric strategies in one process, none torn down,
+since Fabric never calls ``teardown``).
 
 So once a zero3 engine or strategy has run in a process, an ``atexit`` handler (``close_process_groups``),
 while the interpreter is still whole: stops every watchdog still running (oldest first; rank 0 waits, as
 in ``Watchdog.stop``, until its peers are done with the store it hosts); destroys every process group;
 lets every ``Communicator`` drop its handles, so that every group nobody else holds is freed now, its
 destructor joining its threads with the GIL released (their last decrefs run then); if gloo threads are
-left, collects garbage (a dropped model's DDP module in a reference cycle; not by default, since one
-collection costs ~0.25 s in a process that imported transformers, and the interpreter's finalization
-runs one anyway); and if some are still left (a group the user's live objects hold), sleeps a moment
+left, collects garbage (a dropped model's DDP module in a reference cycle; not by default, since a
+collection is slow in a process that imported transformers, and the interpreter's finalization runs one
+anyway); and if some are still left (a group the user's live objects hold), sleeps a moment
 with the GIL released, time for a thread waiting for it to finish its decref. Scripts that drive
 ``Zero3Engine`` themselves may call ``lightning_zero3.close_process_groups()`` at their end to the same
 effect.

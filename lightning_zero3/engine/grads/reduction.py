@@ -19,9 +19,9 @@ here (``Packed.used_here``, see [Note: which parameters received a gradient] in 
 parameter without one sends zeros. When backward ends, the ranks tell
 each other on the check group (host integers, no device synchronisation) whether any of them lacked a
 gradient, and only then exchange the flags of every unit reduced (``restore_unused``): a shard gradient
-that this backward created for a parameter no rank used is set back to None. (The flags used to travel
-as extra columns of each unit's reduce-scatter; that kept the send buffer from being the buffer the
-gradients land in, see [Note: the landing buffer is sent].)
+that this backward created for a parameter no rank used is set back to None. The flags do not travel
+in each unit's reduce-scatter: extra columns there would keep the send buffer from being the buffer the
+gradients land in (see [Note: the landing buffer is sent]).
 
 [Note: reduction order]
 The n-th reduce-scatter of every rank must reduce the same groups, or gradients of one unit are summed

@@ -132,9 +132,7 @@ def estimate_plan(name: str, offload_optimizer: Optional[str], offload_params: O
     # a bound) keeps every buffer it has handed out, for reuse at the same size: per unit size the gather's
     # landing, the gradient landing buffer and the reduce-scatter send buffer (three full units), the reduced
     # and the source shards (two shards), and the next unit's landing while one is reduced (one full unit
-    # more). Measured on the GPT of 40M parameters at 2 CPU ranks: the ledger's peak ``staging_buffers``
-    # 101.7 MB, 81.4 MB held between steps; counting two full units here left the plan's estimate 50-80 MB
-    # below the run's peak (optimizer->nvme at 817-863 MB under a budget of 800 MB)
+    # more); counting fewer leaves the estimate below the run's peak, and a plan chosen by it over budget
     largest = facts.largest_unit_numel
     grad_staging = (facts.root_numel + 4 * largest + 2 * math.ceil(largest / facts.world_size)) * job.reduce_bytes
     # the running unit's backward: its saved tensors are freed as they are used, while its gradients

@@ -232,9 +232,8 @@ class HookManager:
     def _gather_ahead_for_backward(self) -> None:
         """A forward that backward will follow ended: agree now on the first gathers of the backward, so
         that its first start issues them at once instead of agreeing on them there, a unit late (see
-        [Note: a blocking check takes the gathers ahead along] in gathers.py). Measured on the benchmark
-        GPT: the first block gathered in backward waited 25 ms per step for a gather issued at its own
-        start. A forward whose backward never comes leaves them gathered until the next forward starts
+        [Note: a blocking check takes the gathers ahead along] in gathers.py), else the first block gathered
+        in backward waits for a gather issued at its own start. A forward whose backward never comes leaves them gathered until the next forward starts
         (``_drop_holds_for_a_backward_not_run``)."""
         ahead = self.schedule.ahead_of_next("backward", from_start=True)
         if ahead:

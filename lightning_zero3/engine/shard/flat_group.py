@@ -428,8 +428,7 @@ class FlatGroup:
         Left alone, autograd allocates every parameter's full gradient on its own, unit after unit, and
         the gradient is dropped as soon as it is packed for the reduce-scatter. On the host those multi-MB
         tensors come from glibc's heap, and the small allocations made in between carve up the holes they
-        leave, so the heap (and the resident set) grew by about a unit per unit through backward (measured:
-        +240 MB on 128 units of 4 MB). A gradient that already exists is accumulated into in place, so a
+        leave, so the heap (and the resident set) grows by about a unit per unit through backward. A gradient that already exists is accumulated into in place, so a
         zeroed view of a pooled buffer, set before the unit's backward starts, receives the gradient with
         no allocation; the buffer is then what the reduce-scatter sends (see [Note: the landing buffer is
         sent] in engine/grads/reduction.py), back to the pool once it has been sent. A landing view exists whether or not
