@@ -29,7 +29,7 @@ changes to its copy, so later passes see the same values the step will.
 Copies between the device and the host may run on a side stream (CUDA): every copy returns an event and
 nothing reads or rewrites the copy's target (or source) before waiting on it. On a CPU device the copy is
 done when it returns, which is why tests run this code under a copy engine that completes copies late on a
-thread (``tests/late_copies.py``): a missing wait then shows up as wrong numbers.
+thread (``tests/helpers/late_copies.py``): a missing wait then shows up as wrong numbers.
 """
 
 from __future__ import annotations

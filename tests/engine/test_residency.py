@@ -16,7 +16,7 @@ from lightning_zero3.engine.schedule import gathers as gathers_module
 from lightning_zero3.engine.schedule.residency import PROFILE_CALLS, UnitProfile, auto_budget, choose_resident
 from lightning_zero3.engine.shard import flat_group as shard_module
 
-SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "flows_run.py"
 
 
 class _Unit:

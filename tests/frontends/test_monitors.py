@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_zero3.callbacks import CommMonitor, MemoryMonitor, Zero3MonitorError
 from lightning_zero3.engine.memory.buffers import CATEGORIES
 
-SCRIPT = Path(__file__).parent / "scripts" / "monitors_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "monitors_run.py"
 
 
 @pytest.fixture(scope="module")

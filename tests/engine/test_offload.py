@@ -319,7 +319,7 @@ def direct_dir(tmp_path):
     them), so that the direct path runs wherever the machine has such a file system at all."""
     import tempfile
 
-    repository = Path(__file__).resolve().parents[1]
+    repository = Path(__file__).resolve().parents[2]
     for candidate in (tmp_path, repository, Path("/var/tmp")):
         if not candidate.is_dir() or not os.access(candidate, os.W_OK):
             continue
@@ -455,7 +455,7 @@ def test_offload_names_are_registered(flavour):
 
 
 def test_checkpoint_resume_under_offload_is_exact(tmp_path):
-    script = Path(__file__).parent / "scripts" / "flows_run.py"
+    script = Path(__file__).parents[1] / "scripts" / "flows_run.py"
     for offload in ("cpu", "nvme"):
         out = tmp_path / offload
         run_script(script, "resume", "--out", out, "--offload", offload)

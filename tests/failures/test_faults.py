@@ -20,7 +20,7 @@ from lightning_zero3.checkpoint.atomic import read_manifest
 from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
 from lightning_zero3.engine.failure.watchdog import process_alive
 
-SCRIPT = Path(__file__).parent / "scripts" / "faults_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "faults_run.py"
 TIMEOUT_S = 20  # the strategy's `timeout` in the script
 FAULTS = ["kill_step", "exception", "kill_save", "commit", "enospc"]
 

@@ -28,7 +28,7 @@ from examples.finetune import TinyLlama, make_pretrained  # noqa: E402
 from examples.finetune_assets import sample_rows  # noqa: E402
 from examples.sft_data import IGNORE, read_rows, tokenize  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "finetuning.md"
 MAIN = ("lightning-zero3 fit --config examples/configs/finetune_full.yaml --model.init_args.checkpoint my-model "
         "--data.init_args.path my-data.jsonl")  # fmt: skip
@@ -56,7 +56,7 @@ def lightning_zero3_on_path(tmp: Path) -> dict:
     script.write_text(f"#!{sys.executable}\nimport sys\nfrom lightning_zero3.cli import main\nsys.exit(main())\n")
     script.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "PYTHONWARNINGS": "ignore"}
+    return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'helpers'}", "PYTHONWARNINGS": "ignore"}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_zero3"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_zero3"
 NAME = PACKAGE.name
 
 #: The package's layers, lowest first: a module may import its own layer's modules and those of the
@@ -101,7 +101,7 @@ def _layer_of(layers, name: str, module: str):
     for index, layer in enumerate(layers):
         if name in layer:
             return index, layer, name
-    raise AssertionError(f"{module}: `{name}` is in no declared layer of tests/test_layout.py; add it to one")
+    raise AssertionError(f"{module}: `{name}` is in no declared layer of tests/package/test_layout.py; add it to one")
 
 
 def _upward(source: str, target: str) -> bool:

@@ -13,7 +13,7 @@ from distributed import run_script
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-SCRIPT = Path(__file__).parent / "scripts" / "finetune_llava_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "finetune_llava_run.py"
 
 
 @pytest.fixture(scope="module")

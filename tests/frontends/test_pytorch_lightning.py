@@ -62,7 +62,7 @@ def test_a_pytorch_lightning_module_trains_under_the_zero3_name_as_under_its_own
 
 
 def test_a_pytorch_lightning_modules_init_weights_must_take_the_module():
-    """As for ``lightning.pytorch``'s LightningModule (tests/test_fabric.py): its ``init_weights`` is the
+    """As for ``lightning.pytorch``'s LightningModule (tests/frontends/test_fabric.py): its ``init_weights`` is the
     Trainer's hook, so a signature without the module is an error, not silently skipped."""
 
     class Wrong(pytorch_lightning.LightningModule):

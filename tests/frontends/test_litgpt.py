@@ -12,7 +12,7 @@ from distributed import run_script
 
 pytest.importorskip("litgpt")
 
-SCRIPT = Path(__file__).parent / "scripts" / "litgpt_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "litgpt_run.py"
 
 
 @pytest.fixture(scope="module")

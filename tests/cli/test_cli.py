@@ -16,7 +16,7 @@ from lightning_zero3 import Zero3Config, Zero3Strategy
 from lightning_zero3.cli import build_cli, main
 from lightning_zero3.config.knobs import field_docs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("gpt_*.yaml"))  # whole configs; the others are overlays
 SMALL = [  # a few steps of a small GPT on a small corpus
     "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "3",

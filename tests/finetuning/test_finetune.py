@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402
 
-SCRIPT = Path(__file__).parent / "scripts" / "finetune_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "finetune_run.py"
 RUNS = ("full-zero3", "full-ddp", "lora-zero3", "lora-ddp")
-# as tests/test_parity.py: clipping's global norm is summed in another order than DDP's, which moves
+# as tests/frontends/test_parity.py: clipping's global norm is summed in another order than DDP's, which moves
 # weights by a few 1e-9 here (losses of the 4 steps agree bitwise)
 WEIGHT_ATOL = 5e-5
 

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_zero3
 from lightning_zero3 import UnsupportedPrecisionError, Zero3Config, Zero3ConfigError, Zero3Precision, Zero3Strategy
 
-SCRIPT = Path(__file__).parent / "scripts" / "flows_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "flows_run.py"
 
 
 def run_flows(mode: str, out: Path) -> list[dict]:
@@ -179,7 +179,7 @@ def test_checkpoint_resume_is_exact_and_a_full_checkpoint_loads_under_ddp(tmp_pa
 
 @pytest.mark.parametrize("devices", [1, 4])
 def test_model_checkpoint_writes_sharded_directories_and_resume_is_exact(tmp_path, devices):
-    script = Path(__file__).parent / "scripts" / "checkpoint_run.py"
+    script = Path(__file__).parents[1] / "scripts" / "checkpoint_run.py"
     run_script(script, "--devices", devices, "--out", tmp_path)
     for rank in range(devices):
         r = json.loads((tmp_path / f"checkpoint-rank{rank}.json").read_text())

@@ -401,7 +401,7 @@ def test_deepspeed_zero_plus_plus_keys_translate():
 
 # -- through Lightning, on two SLURM nodes ------------------------------------------------------------
 
-SCRIPT = Path(__file__).parent / "scripts" / "hierarchy_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "hierarchy_run.py"
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from distributed import run_script
 
-SCRIPT = Path(__file__).parent / "scripts" / "generation_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "generation_run.py"
 
 
 @pytest.fixture(scope="module")

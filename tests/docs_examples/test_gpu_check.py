@@ -14,7 +14,7 @@ import pytest
 import torch
 from gpu_check import Row
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmarks" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "benchmarks" / "gpu_check.py"
 
 
 def test_without_cuda_it_says_so_and_runs_nothing():

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_zero3.cli.estimate.command import run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAIN_JOB = ROOT / "examples" / "configs" / "gpt_zero3.yaml"
 KEYS = {"plan", "device_bytes_per_rank", "model_state_bytes_per_rank", "host_bytes_per_node", "nvme_bytes", "fits",
         "selected"}  # fmt: skip
@@ -74,7 +74,7 @@ def _fit(out: Path, *overrides: str, config: Path = MAIN_JOB, cwd: Path = ROOT) 
     cmd = [sys.executable, "-m", "lightning_zero3.cli", "fit", "--config", str(config), *overrides,
            "--trainer.callbacks+=peak_rss.PeakRSS"]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "ZERO3_PEAK_RSS_DIR": str(out),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAIN_CONFIG = "examples/configs/gpt_zero3.yaml"
 MAIN_JOB = f" && lightning-zero3 fit --config {MAIN_CONFIG}"
 
@@ -23,7 +23,7 @@ def test_ci_runs_the_readme_install_and_test_commands():
 
 
 def test_main_job_config_is_what_the_readme_says():
-    """The config trains (tests/test_cli.py runs every example config); here: it is the README's job."""
+    """The config trains (tests/cli/test_cli.py runs every example config); here: it is the README's job."""
     import yaml
 
     config = yaml.safe_load((ROOT / MAIN_CONFIG).read_text())

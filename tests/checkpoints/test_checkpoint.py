@@ -228,7 +228,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_valid(tmp_path, sav
     shutil.copytree(saved_on(2)[0], path)  # a good checkpoint of this name (saved on 2 ranks)
     before = _load_case(0, 1, str(path))["loaded"]  # one rank: in this process
     here = Path(__file__).resolve().parent
-    paths = [str(here), str(here.parent / "examples")]
+    paths = [str(here), str(here.parent / "helpers"), str(here.parents[1] / "examples")]
     script = _KILL_SCRIPT.format(paths=paths, path=str(path))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

@@ -9,7 +9,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lightning_zero3"
 SCANNED = [PACKAGE, ROOT / "tests", ROOT / "examples", ROOT / "docs"]
 

@@ -23,7 +23,7 @@ from lightning_zero3 import Zero3Config
 from lightning_zero3.engine.failure.hang_check import HANG, HangCheck
 from lightning_zero3.errors import Zero3ConfigError
 
-SCRIPT = Path(__file__).parent / "scripts" / "hangs_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "hangs_run.py"
 MISMATCH_DEADLINE_S = 20  # liveness deadline: hang_timeout 2 s + polls + exit take about 3-5 s
 SIGTERM_DEADLINE_S = 15  # liveness deadline: the ranks end about 1 s after the signal
 MISMATCHES = ["save_rank0", "export_rank0", "skip_backward", "fabric_save"]

@@ -13,7 +13,7 @@ from lightning.fabric import Fabric
 import lightning_zero3
 from lightning_zero3 import UnsupportedPrecisionError, Zero3FabricPrecision, Zero3FabricStrategy
 
-SCRIPT = Path(__file__).parent / "scripts" / "fabric_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "fabric_run.py"
 LOSS_RTOL = 1e-6
 
 

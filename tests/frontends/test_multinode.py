@@ -16,11 +16,11 @@ from multinode import slurm_nodes, torchrun_nodes
 
 from lightning_zero3.frontends.cpu_threads import CoreSet, ranks_sharing, threads_per_rank
 
-SCRIPT = Path(__file__).parent / "scripts" / "multinode_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "multinode_run.py"
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 SAMPLES = 24  # multinode_run.py: 3 steps of a global batch of 8
-LOSS_RTOL = 1e-5  # as tests/test_parity.py: another summation order moves losses by a few 1e-7
+LOSS_RTOL = 1e-5  # as tests/frontends/test_parity.py: another summation order moves losses by a few 1e-7
 ENVIRONMENT = {"torchrun": "TorchElasticEnvironment", "slurm": "SLURMEnvironment"}
 LAUNCHERS = {"torchrun": torchrun_nodes, "slurm": slurm_nodes}
 QUIET = {"PYTHONWARNINGS": "ignore"}

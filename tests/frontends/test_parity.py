@@ -13,7 +13,7 @@ import torch
 from distributed import run_script
 from gpt import GPTModule
 
-SCRIPT = Path(__file__).parent / "scripts" / "parity_run.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "parity_run.py"
 LOSS_RTOL = 1e-5
 # Bitwise equality is expected where reduction order matches DDP's; summing in another order (4 ranks,
 # accumulation into shards, clipping's norm) moves weights by a few 1e-6 after 10 AdamW steps.
