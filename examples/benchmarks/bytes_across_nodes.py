@@ -16,7 +16,7 @@ ledger itself calls), and the sum over the ranks of one node. P parameters of ``
   reduce-scatter of the gradients, all over all ranks;
 - zero3 + hpZ (``secondary_shard_size="node"``): backward's all-gather runs inside the node (0 bytes);
 - zero3 + hpZ + int8 (``quantize_gathers="int8"``): forward's all-gather sends int8 blocks of 256 with an
-  fp32 scale each (``payload_bytes`` of ``lightning_zero3/engine/quantize.py``).
+  fp32 scale each (``payload_bytes`` of ``lightning_zero3/engine/comm/quantize.py``).
 
 It counts every parameter in every collective: a real run differs by the parameters kept whole (the
 persistent group: gathered once per step, after the optimizer step), the unit kept gathered from forward
