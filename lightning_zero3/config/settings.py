@@ -12,16 +12,15 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from enum import Enum
 from datetime import timedelta
+from enum import Enum
 from typing import Any, Callable, Optional, Union
 
-import torch
 from torch import nn
 
+from ..errors import Zero3ConfigError
 from .deepspeed import merge, translate
 from .precision_flags import DTYPES
-from ..errors import Zero3ConfigError
 
 #: What ``unit_modules`` accepts: module classes, class names (``"Block"`` or ``"pkg.mod.Block"``), or a
 #: callable ``(module) -> bool`` that says whether a module is its own unit.

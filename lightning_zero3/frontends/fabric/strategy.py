@@ -1,8 +1,8 @@
 """``Zero3FabricStrategy``: zero3 behind Lightning Fabric's door, ``Fabric(strategy="zero3")``.
 
 The second front door onto the same engine as ``Zero3Strategy`` (the Trainer's): processes, the engine
-and the precision flags come from ``shared_setup.py`` and ``precision_core.py``; this file only answers
-Fabric's calls. What each call does under zero3:
+and the precision flags come from ``shared_setup.py`` and ``precision_core.py`` (Fabric's precision plugin
+is ``precision.py``); this file only answers Fabric's calls. What each call does under zero3:
 
 - ``fabric.init_module(empty_init=True)``: parameters on the meta device (buffers real), built unit by
   unit straight into shards at ``setup``; without ``empty_init`` the model is built whole and sharded.
@@ -33,8 +33,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy, _StrategyRegistry
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl, _Sharded, _Stateful
@@ -53,46 +52,9 @@ from ...engine.comm.collective_log import FABRIC_SAVE_FIX, in_phase
 from ...engine.layout.materialize import move_real_tensors
 from ...errors import Zero3ConfigError
 from ...pretrained import load_pretrained
-from ..precision_core import PrecisionCore, require_engine, translate_precision
+from ..precision_core import require_engine
 from ..shared_setup import ProcessesMixin, built_on_meta, new_engine, register_names
-
-
-class Zero3FabricPrecision(PrecisionCore, Precision):
-    """Fabric's zero3 precision plugin: the flags of ``trainer/precision.py``'s table, the same dtypes and scaler."""
-
-    def __init__(self, precision: str = "32-true", scaler: Any = None) -> None:
-        super().__init__(precision, scaler)
-        self._unscaled = False  # this step's gradients were unscaled (clipping comes before the step)
-        self._found_inf = False
-
-    def module_init_context(self) -> Any:
-        return self.tensor_init_context()
-
-    def tensor_init_context(self) -> Any:
-        # under the *-true flags modules are built in the flag's dtype, as Fabric's own half precision does
-        return nullcontext() if self.master_dtype == torch.float32 else _DtypeContextManager(self.master_dtype)
-
-    def backward(self, tensor: Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        self.scale_loss(tensor).backward(*args, **kwargs)
-
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        if self.scaler is not None and not self._unscaled:
-            self._found_inf = self.scaler.unscale_and_check(self._require_engine(), list(self.main_params(optimizer)))
-            self._unscaled = True
-
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self.scaler is None:
-            return optimizer.step(**kwargs)
-        self.unscale_gradients(optimizer)
-        found_inf, self._unscaled = self._found_inf, False
-        result = None if found_inf else optimizer.step(**kwargs)  # every rank skips the same step
-        self.scaler.update(found_inf)
-        return result
-
-
-def to_fabric_precision(plugin: Optional[Precision]) -> Optional[Zero3FabricPrecision]:
-    """Translate the plugin Fabric picked from its ``precision=`` flag into ``Zero3FabricPrecision``."""
-    return translate_precision(plugin, Zero3FabricPrecision, (Precision, MixedPrecision, HalfPrecision))
+from .precision import Zero3FabricPrecision, to_fabric_precision
 
 
 class _NothingToSkip(_BackwardSyncControl):
