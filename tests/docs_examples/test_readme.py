@@ -66,3 +66,22 @@ def test_every_python_block_of_the_readme_runs(tmp_path):
         done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"README python block {i} failed:\n{block}\n{done.stderr[-3000:]}"
     assert (tmp_path / "runs" / "quickstart.ckpt").is_dir()  # the quickstart's sharded checkpoint
+
+
+def test_readme_yaml_block_is_the_main_job_abridged():
+    """Every setting the README's YAML block shows is the main job's own (the block only leaves settings out)."""
+    import yaml
+
+    (block,) = re.findall(r"```yaml\n(.+?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+    shown, config = yaml.safe_load(block), yaml.safe_load((ROOT / MAIN_CONFIG).read_text())
+
+    def assert_within(part, whole, where):
+        if isinstance(part, dict):
+            for key, value in part.items():
+                assert key in whole, f"README yaml shows {where}{key}, which {MAIN_CONFIG} does not set"
+                assert_within(value, whole[key], f"{where}{key}.")
+        else:
+            assert part == whole, f"README yaml shows {where[:-1]}: {part!r}, {MAIN_CONFIG} has {whole!r}"
+
+    assert_within(shown, config, "")
+    assert "data" in shown and "model" in shown  # a job that can train: a model and its data
