@@ -245,11 +245,11 @@ def built_on_meta(config: Zero3Config, device: torch.device):
     """``parameters_on_meta()``, with the heap policy of a run sized by its host memory set first.
 
     A model built on the meta device still draws its random numbers on scratch tensors freed at once (see
-    [Note: eager construction replayed] in engine/layout/materialize.py), and glibc's heap kept their
-    freed space resident: 239 MiB of a GPT of 40M parameters, before any weight was placed, a floor under
-    the whole run's peak that no offload plan could lower. A run that offloads on the host (or may:
-    ``"auto"``) maps its large temporaries from the start ([Note: large temporaries are mapped] in
-    engine/memory/buffers.py): that construction then left 27 MiB."""
+    [Note: eager construction replayed] in engine/layout/materialize.py), and glibc's heap keeps their
+    freed space resident before any weight is placed: a floor under the whole run's peak that no offload
+    plan could lower. A run that offloads on the host (or may: ``"auto"``) maps its large temporaries from
+    the start ([Note: large temporaries are mapped] in engine/memory/buffers.py), so that construction
+    gives them back."""
     if device.type == "cpu" and config.offload_optimizer is not None:
         map_large_temporaries()
     return parameters_on_meta()
