@@ -63,7 +63,7 @@ NO_MEANING = {
     "gather_16bit_weights_on_model_save": "set checkpoint_format='full' for a file of full weights",
     "elastic_checkpoint": "checkpoints do not depend on the world size",
     "load_from_fp32_weights": "master weights are always the fp32 shards",
-    "ignore_unused_parameters": "unused parameters are always allowed (their gradients stay None, as under DDP)",
+    "ignore_unused_parameters": "unused parameters are always allowed (as DDP with find_unused_parameters=True; see docs/troubleshooting.md)",
     "legacy_stage1": "stage 1 only",
     "cpu_offload": "deprecated in DeepSpeed; use offload_optimizer",
     "cpu_offload_params": "deprecated in DeepSpeed; use offload_param",
