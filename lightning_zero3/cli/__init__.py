@@ -35,7 +35,7 @@ from .fit import build_cli
 
 def main(args: ArgsType = None) -> int:
     """The console script: exit status 0 when the subcommand finished (errors exit non-zero on their own).
-    ``env`` (``env.py``) and ``estimate`` (``estimate/command.py``) are ours; every other subcommand
+    ``env`` (``env.py``) and ``estimate`` (``cli/estimate/command.py``) are ours; every other subcommand
     is LightningCLI's."""
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["env"]:  # not a LightningCLI subcommand: the machine's report
