@@ -1,4 +1,7 @@
-"""The `lightning-zero3` command (LightningCLI): typed strategy settings, the example YAMLs, --print_config."""
+"""The `lightning-zero3` command (LightningCLI): typed strategy settings, the example YAMLs, --print_config.
+
+``test_each_example_config_trains_a_few_steps`` runs the training commands that docs/configuration.md prints
+(every ``examples/configs/gpt_*.yaml``), with fewer steps."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The README's two commands: CI runs exactly them, and the main job's config is the one the README describes."""
+"""The README's two commands: CI runs exactly them, and the main job's config is the one the README describes.
+Its other blocks run in tests/test_docs_blocks.py."""
 
 from __future__ import annotations
 
@@ -39,33 +40,12 @@ def test_main_job_config_is_what_the_readme_says():
     assert '[project.scripts]\nlightning-zero3 = "lightning_zero3.cli:main"' in pyproject
 
 
-def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.+?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
-
-
 def test_readme_is_short_and_speaks_of_the_product():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 300
     assert not [line for line in lines if "session" in line.lower()]
     dated = [line for line in lines if re.search(r"\d{4}-\d{2}-\d{2}", line) and not line.startswith("|")]
     assert not dated  # dates only in the benchmark tables' rows
-
-
-def test_every_python_block_of_the_readme_runs(tmp_path):
-    """Each block as its own script (the quickstart launches 2 CPU ranks), from a scratch directory."""
-    import os
-    import subprocess
-    import sys
-
-    blocks = readme_python_blocks()
-    assert len(blocks) >= 3
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for i, block in enumerate(blocks):
-        script = tmp_path / f"block{i}.py"
-        script.write_text(block + "\n")
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"README python block {i} failed:\n{block}\n{done.stderr[-3000:]}"
-    assert (tmp_path / "runs" / "quickstart.ckpt").is_dir()  # the quickstart's sharded checkpoint
 
 
 def test_readme_yaml_block_is_the_main_job_abridged():

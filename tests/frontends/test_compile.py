@@ -1,7 +1,7 @@
 """``torch.compile`` with zero3 (CPU, inductor): blocks compiled in place in ``configure_model`` keep zero3's
 hooks firing and train as the eager model does, compiled once for all blocks of one shape; a compiled
 model's hooks run as Python between compiled regions; compiled code that bypasses the hooks fails with a
-message that names the fix."""
+message that names the fix. The first test runs the ``configure_model`` that docs/fabric-litgpt.md shows."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """litgpt's own pretraining and fine-tuning code on ``Fabric(strategy="zero3")`` (``examples/litgpt_zero3.py``,
-run by ``tests/scripts/litgpt_run.py``): a tiny litgpt config, random weights written first, no download."""
+run by ``tests/scripts/litgpt_run.py``): a tiny litgpt config, random weights written first, no download.
+These are the jobs that README.md and docs/fabric-litgpt.md print (``python examples/litgpt_zero3.py JOB --out
+DIR``), called through the script's ``run`` with fewer steps."""
 
 from __future__ import annotations
 
