@@ -1,5 +1,5 @@
 """The README's two commands: CI runs exactly them, and the main job's config is the one the README describes.
-Its other blocks run in tests/test_docs_blocks.py."""
+Its other blocks run in tests/docs_examples/test_docs_blocks.py."""
 
 from __future__ import annotations
 

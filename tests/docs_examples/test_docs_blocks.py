@@ -8,12 +8,12 @@ first on ``PYTHONPATH``, as a clone's root is. Every block must exit 0.
 
 A block is not run here when the line right before its opening fence says so, with why:
 
-- ``<!-- run by tests/test_x.py -->``: that test runs these commands (a long job, or one checked more
+- ``<!-- run by tests/<folder>/test_x.py -->``: that test runs these commands (a long job, or one checked more
   closely there); the file must exist and name the page, so the claim is visible on both sides.
 - ``<!-- not run here: REASON -->``: it needs what a test machine has not (GPUs, a cluster, a serving
   engine, an install into your environment).
 
-``python tests/test_docs_blocks.py`` lists the marked blocks of every page: the one place they are listed.
+``python tests/docs_examples/test_docs_blocks.py`` lists the marked blocks of every page: the one place they are listed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Optional
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>bash|python)\n(?P<body>.*?)\n(?P=indent)```", re.S | re.M)
 MARK = re.compile(r"<!--\s*(?:(?P<by>run by)\s+(?P<test>\S+)|(?P<not>not run here):\s*(?P<reason>.+?))\s*-->\s*$")
