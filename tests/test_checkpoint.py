@@ -176,11 +176,14 @@ def test_truncated_mismatched_and_tampered_checkpoints_fail_naming_the_problem(t
     (incomplete / "zero3.json").unlink()
     assert "incomplete" in _load_error_case(0, 1, str(incomplete), CFG)
 
-    tampered = tmp_path / "tampered"  # metadata that would run a command when unpickled, sizes made to fit
+    # metadata that would run a command when unpickled, sizes made to fit and the checksums dropped (as a
+    # checkpoint from before checksums has none; checksums catch damage, not an attacker who rewrites them)
+    tampered = tmp_path / "tampered"
     shutil.copytree(good, tampered)
     (tampered / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
     manifest = json.loads((tampered / "zero3.json").read_text())
     manifest["files"][".metadata"] = (tampered / ".metadata").stat().st_size
+    del manifest["checksums"]
     (tampered / "zero3.json").write_text(json.dumps(manifest))
     message = _load_error_case(0, 1, str(tampered), CFG)
     assert "refuses" in message and "posix.system" in message
