@@ -103,6 +103,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
         inference_memory_budget: Optional[Union[int, str]] = DEFAULTS.inference_memory_budget,
         unshard_after_fit: bool = DEFAULTS.unshard_after_fit,
         checkpoint_format: Literal["sharded", "full"] = DEFAULTS.checkpoint_format,
+        save_non_finite: bool = DEFAULTS.save_non_finite,
         offload_optimizer: Optional[Literal["cpu", "nvme", "none", "device", "auto"]] = DEFAULTS.offload_optimizer,
         offload_params: Optional[Literal["cpu", "nvme", "none", "device", "auto"]] = DEFAULTS.offload_params,
         memory_budget: Optional[Union[int, str]] = DEFAULTS.memory_budget,
