@@ -150,7 +150,8 @@ class DigestingStream(io.RawIOBase):
         return self.raw.fileno()
 
     def flush(self) -> None:
-        self.raw.flush()
+        if not self.raw.closed:  # also called when this wrapper is collected, after the file was closed
+            self.raw.flush()
 
 
 class DigestBook:
