@@ -92,14 +92,13 @@ def bytes_digest(data: Union[bytes, str], algorithm: str) -> str:
 def file_digest(path: Path, algorithm: str) -> str:
     """The checksum of the file at ``path``, hashed straight from a read-only mapping of it.
 
-    [Note: checking costs about one copy, not one read]
+    [Note: checking a file before the load]
     The file is mapped, not read into a buffer: the hash reads the page cache itself (no copy into the
-    process), and with sequential advice the kernel reads ahead while earlier pages are hashed, so the
-    check takes about the disk's time for the file. The pages stay cached, so the load that follows
-    copies them from memory instead of waiting for the disk again: the check replaces the load's wait for
-    the disk rather than adding a second one (as long as a node's share of the checkpoint fits in its
-    page cache). Each chunk is unmapped from the process once hashed, so the check holds at most one
-    chunk of the file in its resident memory."""
+    process), with sequential advice so that the kernel reads ahead while earlier pages are hashed. The
+    pages stay cached, so the load that follows copies them from memory rather than from the disk (as long
+    as a node's share of the checkpoint fits in its page cache); the check is still one more pass over
+    every byte before the load's own. Each chunk is unmapped from the process once hashed, so the check
+    holds at most one chunk of the file in its resident memory."""
     digest = new_digest(algorithm)
     with open(path, "rb") as stream:
         size = os.fstat(stream.fileno()).st_size
