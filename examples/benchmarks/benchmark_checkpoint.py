@@ -16,8 +16,12 @@ Three measurements, in one run, in a scratch directory on the disk under test (`
    wall time of the slowest rank; median of ``--runs``; ratio to the disk's bandwidth from (1).
 3. Consolidation: a checkpoint of a GPT-shaped model with ``--big-layers`` x ``--big-embd`` (1.27B
    parameters by default) is generated on disk by the ranks without training (each writes only its
-   halves), then consolidated to one ``.pt`` file in a fresh process, whose peak resident memory (the
-   OS's VmHWM) is compared with its baseline and with the largest tensor.
+   halves), then consolidated to one ``.pt`` file in a fresh process from a cold page cache, whose peak
+   resident memory (the OS's VmHWM) is compared with its baseline and with the largest tensor.
+
+Checksums: (2) and (3) are each done with checksums (written with every file, checked before a load or
+consolidation reads anything) and without (``checksums=False`` / ``verify=False``), alternating which goes
+first, and the table gives both times and their ratio.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--big-layers", type=int, default=24)
     p.add_argument("--big-embd", type=int, default=2048)
     p.add_argument("--big-vocab", type=int, default=32000)
+    p.add_argument("--big-runs", type=int, default=1, help="runs of the 1B save and consolidation (each writes 2 x 5 GB)")
     p.add_argument("--skip-consolidation", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
@@ -120,25 +125,32 @@ def _save_load_worker(rank: int, world: int, port: int, args: argparse.Namespace
     optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters()))
     model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
     optimizer.step()
-    times = []
+    warm = Path(out) / "warm-up"  # one untimed save and load: first calls (imports, DCP set-up) out of the figures
+    save_sharded_checkpoint(warm, engine, [optimizer], {})
+    load_sharded_checkpoint(warm, engine, [optimizer])
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(warm)
+    times: dict[str, list] = {"on": [], "off": []}
     for run in range(args.runs):
-        path = Path(out) / f"ckpt{run}"
-        dist.barrier()
-        start = time.perf_counter()
-        save_sharded_checkpoint(path, engine, [optimizer], {})
-        saved = time.perf_counter() - start
-        if rank == 0:
-            evict(files_under(path))
-        dist.barrier()
-        start = time.perf_counter()
-        load_sharded_checkpoint(path, engine, [optimizer])
-        dist.barrier()
-        loaded = time.perf_counter() - start
-        nbytes = sum(p.stat().st_size for p in files_under(path))
-        times.append((saved, loaded, nbytes))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(path)
+        for checksums in (True, False) if run % 2 == 0 else (False, True):  # alternate which goes first
+            path = Path(out) / f"ckpt{run}"
+            dist.barrier()
+            start = time.perf_counter()
+            save_sharded_checkpoint(path, engine, [optimizer], {}, checksums=checksums)
+            saved = time.perf_counter() - start
+            if rank == 0:
+                evict(files_under(path))
+            dist.barrier()
+            start = time.perf_counter()
+            load_sharded_checkpoint(path, engine, [optimizer], verify=checksums)
+            dist.barrier()
+            loaded = time.perf_counter() - start
+            nbytes = sum(p.stat().st_size for p in files_under(path))
+            times["on" if checksums else "off"].append((saved, loaded, nbytes))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         Path(out, "save_load.json").write_text(json.dumps({"times": times, "params": params}))
@@ -172,7 +184,15 @@ def _generate_worker(rank: int, world: int, port: int, args: argparse.Namespace,
         start, stop = min(rank * per, numel), min((rank + 1) * per, numel)
         piece = torch.full((stop - start,), float(len(name) % 7 + rank), dtype=torch.float32)
         state[name] = FlatPiece(piece, start, numel, shape)
-    write_sharded_checkpoint(Path(out) / "big", Communicator(), state, [], {})
+    seconds = {}
+    for checksums in (True, False):  # the same pieces written with checksums ("big") and without ("big_plain")
+        dist.barrier()
+        start = time.perf_counter()
+        write_sharded_checkpoint(Path(out) / ("big" if checksums else "big_plain"), Communicator(), state, [], {},
+                                 checksums=checksums)  # fmt: skip
+        seconds["on" if checksums else "off"] = time.perf_counter() - start
+    if rank == 0:
+        Path(out, "big_save.json").write_text(json.dumps(seconds))
     dist.destroy_process_group()
 
 
@@ -181,24 +201,45 @@ import sys, time, json
 from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
 def hwm(): return int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024
 base = hwm(); start = time.perf_counter()
-consolidate_checkpoint(sys.argv[1], sys.argv[2])
+consolidate_checkpoint(sys.argv[1], sys.argv[2], verify=sys.argv[3] == "verify")
 print(json.dumps({"baseline": base, "peak": hwm(), "seconds": time.perf_counter() - start}))
 """
 
 
-def consolidation(args: argparse.Namespace, scratch: Path) -> dict:
-    spawn(_generate_worker, args, str(scratch))
-    out = scratch / "big.pt"
-    done = subprocess.run([sys.executable, "-c", _CONSOLIDATE, str(scratch / "big"), str(out)],
+def _consolidate(checkpoint: Path, out: Path, verify: bool) -> dict:
+    evict(files_under(checkpoint))  # read from the disk, as a checkpoint of an earlier day would be
+    done = subprocess.run([sys.executable, "-c", _CONSOLIDATE, str(checkpoint), str(out), "verify" if verify else "no"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
-    shapes = big_shapes(args)
-    sizes = [4 * torch.Size(s).numel() for s in shapes.values()]
-    loaded = torch.load(out, weights_only=True, mmap=True)
-    assert loaded.keys() == shapes.keys() and all(tuple(loaded[k].shape) == s for k, s in shapes.items())
-    figures.update(params=sum(sizes) // 4, model_bytes=sum(sizes), largest=max(sizes), out_bytes=out.stat().st_size)
-    shutil.rmtree(scratch / "big")
-    out.unlink()
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def consolidation(args: argparse.Namespace, scratch: Path) -> dict:
+    """The 1B checkpoint written with and without checksums (the save), then consolidated from a cold page
+    cache with and without checking them (the load), alternating; medians of ``--big-runs``."""
+    saves: dict[str, list] = {"on": [], "off": []}
+    loads: dict[str, list] = {"on": [], "off": []}
+    out = scratch / "big.pt"
+    for run in range(args.big_runs):
+        spawn(_generate_worker, args, str(scratch))
+        for key, seconds in json.loads((scratch / "big_save.json").read_text()).items():
+            saves[key].append(seconds)
+        for verify in (True, False) if run % 2 == 0 else (False, True):
+            figures = _consolidate(scratch / ("big" if verify else "big_plain"), out, verify)
+            loads["on" if verify else "off"].append(figures)
+        shapes = big_shapes(args)
+        loaded = torch.load(out, weights_only=True, mmap=True)
+        assert loaded.keys() == shapes.keys() and all(tuple(loaded[k].shape) == s for k, s in shapes.items())
+        out_bytes = out.stat().st_size
+        del loaded
+        for name in ("big", "big_plain"):
+            shutil.rmtree(scratch / name)
+        out.unlink()
+    sizes = [4 * torch.Size(s).numel() for s in big_shapes(args).values()]
+    figures = min(loads["on"], key=lambda f: f["seconds"])  # memory figures of a checked consolidation
+    figures = {**figures, "seconds": statistics.median(f["seconds"] for f in loads["on"]),
+               "seconds_unchecked": statistics.median(f["seconds"] for f in loads["off"]),
+               "save_s": statistics.median(saves["on"]), "save_s_unchecked": statistics.median(saves["off"])}  # fmt: skip
+    figures.update(params=sum(sizes) // 4, model_bytes=sum(sizes), largest=max(sizes), out_bytes=out_bytes)
     return figures
 
 
@@ -222,14 +263,16 @@ def main(args: argparse.Namespace) -> dict:
         read_bw = statistics.median(r for _, r in disks)
         spawn(_save_load_worker, args, str(scratch))
         result = json.loads((scratch / "save_load.json").read_text())
-        save_s = statistics.median(t[0] for t in result["times"])
-        load_s = statistics.median(t[1] for t in result["times"])
-        nbytes = result["times"][0][2]
+        on, off = result["times"]["on"], result["times"]["off"]
+        save_s, load_s = statistics.median(t[0] for t in on), statistics.median(t[1] for t in on)
+        nbytes = on[0][2]
         figures = {
             "disk_write_gbs": write_bw / 1e9, "disk_read_gbs": read_bw / 1e9,
             "params": result["params"], "checkpoint_bytes": nbytes,
             "save_s": save_s, "load_s": load_s,
             "save_gbs": nbytes / save_s / 1e9, "load_gbs": nbytes / load_s / 1e9,
+            "save_s_unchecked": statistics.median(t[0] for t in off),
+            "load_s_unchecked": statistics.median(t[1] for t in off),
         }  # fmt: skip
         if not args.skip_consolidation:
             figures["consolidation"] = consolidation(args, scratch)
@@ -250,7 +293,15 @@ def print_table(f: dict, args: argparse.Namespace) -> None:
           f"{f['save_s']:>9.2f}")  # fmt: skip
     print(f"{'load':<8}{f['load_gbs']:>17.2f}{f['disk_read_gbs']:>11.2f}{f['load_gbs'] / f['disk_read_gbs']:>8.2f}"
           f"{f['load_s']:>9.2f}")  # fmt: skip
+    print(f"\nChecksums (xxh3_64 of every file as it is written, checked before a load), same run")
+    print(f"{'':<28}{'with':>9}{'without':>9}{'ratio':>8}")
+    rows = [("save", f["save_s"], f["save_s_unchecked"]), ("load", f["load_s"], f["load_s_unchecked"])]
     c = f.get("consolidation")
+    if c:
+        rows += [(f"save, {c['params'] / 1e9:.2f}B weights", c["save_s"], c["save_s_unchecked"]),
+                 (f"consolidate, {c['params'] / 1e9:.2f}B (cold)", c["seconds"], c["seconds_unchecked"])]  # fmt: skip
+    for name, with_s, without_s in rows:
+        print(f"{name:<28}{with_s:>9.2f}{without_s:>9.2f}{with_s / without_s:>8.3f}")
     if c:
         mib = 1 << 20
         print(f"\nConsolidation of {c['params'] / 1e9:.2f}B parameters ({c['model_bytes'] / gb:.2f} GB) to one .pt file "

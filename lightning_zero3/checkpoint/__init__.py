@@ -12,7 +12,13 @@ Weights for other tools (no optimizer, not for resuming) are ``export/``'s.
 Imports: ``engine``, ``export`` (its file writers and the Hugging Face layout) and ``errors``.
 """
 
-from .api import load_sharded_checkpoint, load_trainer_state, save_sharded_checkpoint, write_sharded_checkpoint
+from .api import (
+    NonFiniteCheckpointError,
+    load_sharded_checkpoint,
+    load_trainer_state,
+    save_sharded_checkpoint,
+    write_sharded_checkpoint,
+)
 from .atomic import CheckpointError, is_sharded_checkpoint, read_manifest, remove_checkpoint
 from .dcp_io import FlatPiece, UnsafeCheckpointError
 from .sharded import CheckpointMismatchError, model_pieces, optimizer_pieces
@@ -21,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "FlatPiece",
+    "NonFiniteCheckpointError",
     "UnsafeCheckpointError",
     "is_sharded_checkpoint",
     "load_sharded_checkpoint",

@@ -6,8 +6,9 @@ Layout of ``<name>/``::
     .metadata           DCP's index of every piece (read without unpickling code)
     trainer_state.pt    everything else Lightning saves (loops, callbacks, schedulers, scaler, optimizer
                         hyper-parameters and step counts), written by rank 0, read with weights_only=True
-    zero3.json          manifest: parameter names / shapes / dtypes / aliases and every file's size;
-                        written last (see [Note: atomic checkpoint directories] in atomic.py)
+    zero3.json          manifest: parameter names / shapes / dtypes / aliases and every file's size and
+                        checksum (digests.py); written last (see [Note: atomic checkpoint directories] in
+                        atomic.py)
 
 Both functions are collectives over the engine's ranks. Neither gathers a parameter.
 """
@@ -23,9 +24,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..engine import Communicator, Zero3Engine
 from ..engine.memory.buffers import return_free_heap
+from ..export.digests import DigestBook, writing_algorithm
 from ..export.writers import failures_everywhere, staging_path
-from .atomic import TRAINER_STATE, CheckpointError, commit, read_manifest, write_manifest
-from .dcp_io import FlatPiece, load_pieces, read_dcp_metadata, save_pieces
+from .atomic import TRAINER_STATE, CheckpointError, commit, read_manifest, remove_partial, write_manifest
+from .dcp_io import FlatPiece, NonFiniteStateError, load_pieces, read_dcp_metadata, save_pieces
 from .files import torch_load_checked, write_torch_file
 from ..export.hf import HF_CONFIG, find_hf_model, hf_configuration
 from .sharded import (
@@ -39,6 +41,7 @@ from .sharded import (
     optimizer_targets,
     split_optimizer_part,
 )
+from .verify import verify_before_load
 
 
 def _describe_model(model_state: dict[str, Any]) -> tuple[dict, dict]:
@@ -58,12 +61,15 @@ def _describe_model(model_state: dict[str, Any]) -> tuple[dict, dict]:
 
 
 def save_sharded_checkpoint(
-    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any]
+    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any],
+    checksums: bool = True,
 ) -> None:
     """Write this rank's shards of the model and of ``optimizers``, and ``extra`` (rank 0's; anything
     ``torch.load(weights_only=True)`` reads back), to the checkpoint directory ``path`` (a collective).
 
-    Under NVMe offload the pieces are read from the swap files one at a time while DCP writes them."""
+    Under NVMe offload the pieces are read from the swap files one at a time while DCP writes them. A
+    state holding NaN or inf is refused unless ``Zero3Config.save_non_finite``; ``checksums=False`` writes
+    no checksums (for measuring what they cost)."""
     engine.settle()
     model_state = model_pieces(engine)
     optimizer_parts = [optimizer_pieces(engine, optimizer) for optimizer in optimizers]
@@ -73,7 +79,8 @@ def save_sharded_checkpoint(
         files[HF_CONFIG] = json.dumps({"prefix": hf[0], **hf_configuration(hf[1])})
     if engine.plan_estimate is not None:  # the automatic offload plan this run took, and why
         files[OFFLOAD_PLAN] = json.dumps(offload_plan(engine), indent=1)
-    write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra, files)
+    write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra, files, checksums=checksums,
+                             step=extra.get("global_step"), allow_non_finite=engine.config.save_non_finite)  # fmt: skip
     return_free_heap()
 
 
@@ -98,9 +105,15 @@ def write_sharded_checkpoint(
     optimizer_parts: list[dict[str, Any]],
     extra: dict[str, Any],
     files: Optional[dict[str, str]] = None,
+    checksums: bool = True,
+    step: Optional[int] = None,
+    allow_non_finite: bool = False,
 ) -> None:
     """The writing itself, from pieces made by ``model_pieces`` / ``optimizer_pieces`` (or by hand);
-    ``files``: small text files rank 0 adds to the directory (name -> content)."""
+    ``files``: small text files rank 0 adds to the directory (name -> content). Every file's checksum goes
+    into the manifest (unless ``checksums=False``; see digests.py); a tensor holding NaN or inf fails the
+    save with ``NonFiniteCheckpointError`` naming it and ``step``, unless ``allow_non_finite``. A failed
+    save removes its partial directory, and its error says so."""
     path = Path(comm.all_gather_objects(str(path))[0])
     params, buffers = _describe_model(model_state)
     state: dict[str, Any] = {}
@@ -119,28 +132,50 @@ def write_sharded_checkpoint(
     merged = [merge_optimizer_rest([rank_rests[i] for rank_rests in everyone]) for i in range(len(rests))]
 
     partial = Path(comm.all_gather_objects(str(staging_path(path)) if comm.rank == 0 else None)[0])
+    book = DigestBook(writing_algorithm()) if checksums else None
     # the directory exists for everyone, or everyone raises
-    agree_on_outcome(comm, path, "creating its directory", (lambda: partial.mkdir(parents=True)) if comm.rank == 0 else None)
+    agree_on_outcome(comm, path, "creating its directory", (lambda: partial.mkdir(parents=True)) if comm.rank == 0 else None,
+                     partial)  # fmt: skip
     try:
-        save_pieces(state, partial, comm.group)
+        save_pieces(state, partial, comm.group, book, step, allow_non_finite)
     except CheckpointException as error:  # DCP raises it on every rank, with every rank's failure
+        removed = remove_everywhere(comm, partial)
+        refused = {rank: e for rank, (e, _) in error.failures.items() if isinstance(e, NonFiniteStateError)}
+        if refused:
+            first = min(refused)
+            raise NonFiniteCheckpointError(
+                f"{refused[first]} (found by rank {first}). No checkpoint was written under {path}: {removed}."
+            ) from None
         causes = {rank: f"{type(e).__name__}: {e}" for rank, (e, _) in error.failures.items()}
-        raise CheckpointError(_failure_message(path, "writing the shards", causes)) from None
+        raise CheckpointError(_failure_message(path, "writing the shards", causes, removed)) from None
+    if book is not None:  # every rank's checksums, for rank 0's manifest
+        for digests in comm.all_gather_objects(book.digests):
+            book.digests.update(digests)
 
     def finish() -> None:
-        write_torch_file({**extra, "optimizer_states": merged}, partial / TRAINER_STATE)
+        write_torch_file({**extra, "optimizer_states": merged}, partial / TRAINER_STATE, book)
         for name, content in (files or {}).items():
             (partial / name).write_text(content)
-        write_manifest(partial, {"world_size": comm.world_size, "params": params, "buffers": buffers})
+            if book is not None:
+                book.add(name, content)
+        write_manifest(partial, {"world_size": comm.world_size, "params": params, "buffers": buffers}, book)
         commit(partial, path)
 
     # nobody returns before the checkpoint has its name, and rank 0's outcome reaches everyone
-    agree_on_outcome(comm, path, "committing it", finish if comm.rank == 0 else None)
+    agree_on_outcome(comm, path, "committing it", finish if comm.rank == 0 else None, partial)
 
 
-def agree_on_outcome(comm: Communicator, path: Path, what: str, action: Optional[Callable[[], None]]) -> None:
+class NonFiniteCheckpointError(CheckpointError):
+    """A save was refused because the model or optimizer state holds NaN or inf; the message names the
+    first such tensor and the step. ``Zero3Config(save_non_finite=True)`` keeps such checkpoints."""
+
+
+def agree_on_outcome(
+    comm: Communicator, path: Path, what: str, action: Optional[Callable[[], None]], partial: Optional[Path] = None
+) -> None:
     """Run ``action`` (on the ranks that pass one), then tell every rank how it went: if it failed
-    anywhere, every rank raises the same ``CheckpointError`` (a collective).
+    anywhere, the save's ``partial`` directory is removed and every rank raises the same
+    ``CheckpointError`` (a collective).
 
     [Note: a failed save fails everywhere]
     Parts of a save run on rank 0 alone (creating the directory, the manifest, the rename). Were rank 0 to
@@ -154,15 +189,26 @@ def agree_on_outcome(comm: Communicator, path: Path, what: str, action: Optional
             error = f"{type(failure).__name__}: {failure}"
     causes = failures_everywhere(error, comm.all_gather_objects)
     if causes:
-        raise CheckpointError(_failure_message(path, what, causes))
+        removed = remove_everywhere(comm, partial) if partial is not None else None
+        raise CheckpointError(_failure_message(path, what, causes, removed))
 
 
-def _failure_message(path: Path, what: str, causes: dict[int, str]) -> str:
+def remove_everywhere(comm: Communicator, partial: Path) -> str:
+    """Remove a failed save's ``partial`` directory (a collective, once every rank stopped writing into it):
+    rank 0 first, then any rank that still sees it (a filesystem not shared by every node). Returns what
+    became of it, in rank 0's words."""
+    said = comm.all_gather_objects(remove_partial(partial) if comm.rank == 0 else None)[0]
+    if comm.rank != 0 and partial.exists():
+        remove_partial(partial)
+    return said
+
+
+def _failure_message(path: Path, what: str, causes: dict[int, str], removed: Optional[str] = None) -> str:
     listed = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(causes.items()))
     return (
         f"zero3: saving the checkpoint {path} failed while {what} ({listed}). No checkpoint was written under "
-        "that name; earlier checkpoints are untouched and load as before. Fix the cause (disk space, "
-        "permissions) and save again."
+        f"that name{f' ({removed})' if removed else ''}; earlier checkpoints are untouched and load as before. "
+        "Fix the cause (disk space, permissions) and save again."
     )
 
 
@@ -176,12 +222,17 @@ def load_sharded_checkpoint(
     optimizers: list[torch.optim.Optimizer],
     strict: bool = True,
     weights_only: Optional[bool] = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Fill the engine's shards (and, given ``optimizers``, their state) from ``path``; return ``extra``.
 
-    The checkpoint may have been written by any number of ranks (see [Note: flat pieces in DCP])."""
+    The checkpoint may have been written by any number of ranks (see [Note: flat pieces in DCP]). Its
+    files are checked against their checksums before anything is read from them (``verify.py``; not
+    with ``verify=False``, for measuring what that costs)."""
     manifest = read_manifest(path)
     check_model_fits(engine, manifest["params"], manifest["buffers"], strict)
+    if verify:
+        verify_before_load(path, manifest, engine.comm)
     extra = load_trainer_state(path, weights_only)
     saved_names = manifest["params"].keys() | manifest["buffers"].keys()
     engine.settle()

@@ -10,8 +10,12 @@ the same name removes it. Overwriting a name (``last.ckpt``) moves the old direc
 (``.<name>.old-<id>``), renames the new one in, then deletes the old: if the process dies between
 the two renames, loading the name says where the previous checkpoint is.
 
-On load, ``read_manifest`` refuses a directory without a manifest (interrupted save) and any file
-whose size differs from the manifest's (truncated or replaced), naming the file.
+On load, ``read_manifest`` refuses a directory without a manifest (interrupted save), a manifest whose
+own checksum does not match, and any file whose size differs from the manifest's (truncated or
+replaced), naming the file; the checksums of the files themselves are checked by the ranks before any
+of them loads a weight (``verify.py``).
+
+A save that fails removes its ``.partial-`` directory (``remove_partial``) and says so in its error.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+from ..export.digests import DigestBook, body_digest
 
 from ..export.writers import stale_staging_paths
 
@@ -44,12 +51,19 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Record the size of every file in ``directory`` and write the manifest last (the completion mark)."""
+def write_manifest(directory: Path, manifest: dict[str, Any], digests: Optional[DigestBook] = None) -> None:
+    """Record the size of every file in ``directory`` (and, given ``digests``, its checksum, taken as it was
+    written) and write the manifest last (the completion mark)."""
     files = {
         str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()
     }
     body = {"format": FORMAT, "version": VERSION, **manifest, "files": files}
+    if digests is not None:
+        unrecorded = sorted(files.keys() - digests.digests.keys())
+        if unrecorded:  # every file of a checkpoint must be hashed as it is written: see digests.py
+            raise RuntimeError(f"zero3: no checksum was recorded while writing {unrecorded} into {directory}.")
+        body["checksums"] = {"algorithm": digests.algorithm, "files": {n: digests.digests[n] for n in files}}
+        body["checksums"]["manifest"] = body_digest(body, digests.algorithm)
     staging = directory / f".{MANIFEST}.tmp"
     with open(staging, "w") as out:
         json.dump(body, out, indent=1)
@@ -105,6 +119,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"zero3: {path} is not a zero3 sharded checkpoint of version {VERSION} "
             f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})."
         )
+    _check_manifest_digest(manifest_path, manifest)
     for name, size in manifest["files"].items():
         file = path / name
         if not file.is_file():
@@ -116,6 +131,34 @@ def read_manifest(path: Path) -> dict[str, Any]:
                 "or was replaced. Load an earlier checkpoint."
             )
     return manifest
+
+
+def _check_manifest_digest(manifest_path: Path, manifest: dict[str, Any]) -> None:
+    checksums = manifest.get("checksums")
+    if checksums is None:
+        return  # written before checksums: see ``verify.py``
+    stored = checksums.get("manifest")
+    body = {**manifest, "checksums": {k: v for k, v in checksums.items() if k != "manifest"}}
+    try:
+        actual = body_digest(body, checksums["algorithm"])
+    except RuntimeError as error:
+        raise CheckpointError(str(error)) from None
+    if actual != stored:
+        raise CheckpointError(
+            f"zero3: the manifest {manifest_path} is corrupt: its content has the {checksums['algorithm']} checksum "
+            f"{actual} but was written with {stored}. Load an earlier checkpoint."
+        )
+
+
+def remove_partial(partial: Path) -> str:
+    """Remove the directory of a failed save; a phrase that says what became of it (for the error)."""
+    if not partial.exists():
+        return f"nothing was left behind ({partial.name} was never created)"
+    shutil.rmtree(partial, ignore_errors=True)
+    if partial.exists():
+        warnings.warn(f"zero3: could not remove {partial} after a failed save; delete it by hand.", stacklevel=2)
+        return f"its partial directory {partial} could not be removed (delete it by hand)"
+    return f"its partial directory {partial} was removed"
 
 
 def remove_checkpoint(path: Path) -> None:

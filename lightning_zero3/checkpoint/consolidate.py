@@ -11,7 +11,8 @@ The output is a plain ``state_dict`` under the model's own names (tied weights u
 [Note: streaming consolidation]
 One process, no process group. For each tensor in turn: allocate it full, let DCP read every saved
 piece of it into place, write its bytes to the output, free it. Peak memory is about the largest
-tensor (twice, while DCP copies a piece in) over the process baseline, never the model. The files are
+tensor (twice, while DCP copies a piece in) over the process baseline, never the model. Every file of the
+checkpoint is checked against its checksum first (``verify.py``). The files are
 written tensor by tensor by ``export/writers.py`` (safetensors: header first; torch format: the pickle first,
 then one zip record per tensor, each with its true CRC).
 """
@@ -32,6 +33,7 @@ from .dcp_io import FlatPiece, load_pieces
 from ..export.hf import DEFAULT_MAX_SHARD, HF_CONFIG, write_hf_directory
 from .sharded import MODEL_PREFIX
 from ..export.writers import TensorEntry, write_safetensors, write_torch
+from .verify import verify_before_load
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -78,15 +80,18 @@ def _tensors(path: Path, entries: list[_Entry]) -> Iterator[torch.Tensor]:
 
 def consolidate_checkpoint(
     checkpoint: Path, out: Path, fmt: Optional[str] = None, prefix: Optional[str] = None,
-    config: Optional[Path] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD,
+    config: Optional[Path] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD, verify: bool = True,
 ) -> Path:
     """Write the full weights of the sharded ``checkpoint`` to ``out``: ``"pt"`` or ``"safetensors"`` (one file),
     or ``"hf"`` (a Hugging Face model directory, see ``export/hf.py``); by default from the suffix, and ``"hf"`` for a
     path without one when the checkpoint was written from a module that wraps a Hugging Face model. Only the
     names under ``prefix`` are kept, with the prefix removed (for ``"hf"``, by default the wrapped model's
-    prefix). ``config``: a ``config.json`` for ``"hf"`` (by default the one the checkpoint carries)."""
+    prefix). ``config``: a ``config.json`` for ``"hf"`` (by default the one the checkpoint carries). Every file
+    of the checkpoint is checked against its checksum first (not with ``verify=False``, for measuring that)."""
     checkpoint, out = Path(checkpoint), Path(out)
     manifest = read_manifest(checkpoint)
+    if verify:
+        verify_before_load(checkpoint, manifest)  # every file, before any tensor is read
     carried = checkpoint / HF_CONFIG
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt" if out.suffix or not carried.is_file() else "hf")
     if fmt not in ("pt", "safetensors", "hf"):

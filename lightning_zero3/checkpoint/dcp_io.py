@@ -33,20 +33,22 @@ import pickle
 import queue
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Generator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..engine.memory.buffers import OFFLOAD_HOST, ByteLedger, host_buffer
 from ..engine.offload.aio import read_range, write_range
 from ..engine.offload.swapdir import SwapFile
+from ..export.digests import DigestBook
 
 
 @dataclass(frozen=True)
@@ -133,13 +135,47 @@ def _resolve(state_dict: dict[str, Any], index: MetadataIndex) -> Optional[torch
     return tensor
 
 
+class NonFiniteStateError(ValueError):
+    """A tensor about to be saved holds NaN or inf; the message names it and the step."""
+
+
+def refuse_non_finite(name: str, tensor: torch.Tensor, step: Optional[int]) -> None:
+    """Raise ``NonFiniteStateError`` if ``tensor`` (about to be written as ``name``) holds NaN or inf.
+
+    [Note: the finiteness check rides on the save]
+    The check runs on each tensor as DCP takes it to write, when its bytes are in memory anyway (under NVMe
+    offload, the buffer just read from the swap file), so it adds no read of offloaded state. It sums the
+    tensor first (NaN and inf survive a sum, so a finite sum means a finite tensor) and only a non-finite
+    sum, which an overflow of large finite values can also give, is confirmed element by element."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    if bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all()):
+        return
+    bad = (~torch.isfinite(tensor)).sum().item()
+    at = f"at step {step}" if step is not None else "(no step recorded)"
+    raise NonFiniteStateError(
+        f"zero3: refusing to save a checkpoint {at}: {name} holds {bad} non-finite value(s) (NaN or inf) out of "
+        f"{tensor.numel()}, so the run diverged before this save. Resume from an earlier checkpoint (lower the "
+        "learning rate, clip gradients, or use bf16 instead of fp16), or set "
+        "`Zero3Config(save_non_finite=True)` to keep such checkpoints anyway."
+    )
+
+
 class _PieceSavePlanner(dcp.DefaultSavePlanner):
-    def __init__(self) -> None:
+    """DCP's planner, taught to find a ``FlatPiece``'s tensor; it refuses non-finite tensors unless
+    ``allow_non_finite`` (see [Note: the finiteness check rides on the save])."""
+
+    def __init__(self, step: Optional[int] = None, allow_non_finite: bool = True) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.step, self.allow_non_finite = step, allow_non_finite
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         tensor = _resolve(self.state_dict, index)
-        return tensor if tensor is not None else super().lookup_object(index)
+        if tensor is None:
+            tensor = super().lookup_object(index)
+        if not self.allow_non_finite and torch.is_tensor(tensor):
+            refuse_non_finite(index.fqn, tensor, self.step)
+        return tensor
 
 
 class _PieceLoadPlanner(dcp.DefaultLoadPlanner):
@@ -266,12 +302,50 @@ class _BucketedWriter(dcp.FileSystemWriter):
         return self._write_data(planner, files)
 
 
-def save_pieces(state: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Each rank of ``group`` writes its ``FlatPiece``s (and, once, any plain tensor) into ``path``."""
+class _DigestingFileSystem(FileSystem):
+    """DCP's local file system, recording the checksum of every file written through it (each shard file
+    and, on the coordinator, ``.metadata``) in ``book``: see [Note: checksums while the bytes stream out]
+    in export/digests.py."""
+
+    def __init__(self, book: DigestBook) -> None:
+        super().__init__()
+        self.book = book
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = Path(path).name
+        with super().create_stream(path, mode) as raw:
+            yield self.book.stream(raw, name)
+        self.book.close(name)
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        super().rename(path, new_path)
+        self.book.rename(Path(path).name, Path(new_path).name)
+
+
+def save_pieces(
+    state: dict[str, Any],
+    path: Path,
+    group: Optional[dist.ProcessGroup] = None,
+    book: Optional[DigestBook] = None,
+    step: Optional[int] = None,
+    allow_non_finite: bool = True,
+) -> None:
+    """Each rank of ``group`` writes its ``FlatPiece``s (and, once, any plain tensor) into ``path``.
+
+    ``book``: records the checksum of each file this rank writes. ``allow_non_finite=False``: a tensor
+    holding NaN or inf fails the save with ``NonFiniteStateError`` naming it and ``step``."""
     writer = _BucketedWriter(path, sync_files=True, single_file_per_rank=True)
+    if book is not None:
+        writer.fs = _DigestingFileSystem(book)
+    planner = _PieceSavePlanner(step, allow_non_finite)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # one process: no group
-        dcp.save(state, storage_writer=writer, planner=_PieceSavePlanner(), process_group=group,
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=not _distributed(group))  # fmt: skip
 
 

@@ -11,14 +11,17 @@ import torch
 
 from ..export.writers import staging_path
 from .atomic import CheckpointError, remove_checkpoint
+from ..export.digests import DigestBook
 
 
-def write_torch_file(obj: Any, file: Path) -> None:
-    """``torch.save`` into ``file`` and flush it to disk."""
+def write_torch_file(obj: Any, file: Path, book: Optional[DigestBook] = None) -> None:
+    """``torch.save`` into ``file`` and flush it to disk; ``book`` records its checksum as it is written."""
     with open(file, "wb") as out:
-        torch.save(obj, out)
+        torch.save(obj, out if book is None else book.stream(out, file.name))
         out.flush()
         os.fsync(out.fileno())
+    if book is not None:
+        book.close(file.name)
 
 
 def save_file_atomically(obj: Any, path: Path) -> None:

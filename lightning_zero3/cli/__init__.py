@@ -4,6 +4,7 @@
     lightning-zero3 fit --config examples/configs/gpt_zero3.yaml --print_config
     lightning-zero3 env [--json] [--nvme-path DIR]     # versions, devices, NVMe I/O: see cli/env.py
     lightning-zero3 estimate --config examples/configs/gpt_zero3.yaml     # will it fit (cli/estimate/command.py)
+    lightning-zero3 verify DIR       # a sharded checkpoint or export against its checksums (checkpoint/verify.py)
     python -m lightning_zero3.cli fit --trainer.strategy zero3 --model ... --data ...
 
 Importing the package registers ``strategy: zero3`` (and the offload names); ``class_path:
@@ -35,8 +36,8 @@ from .fit import build_cli
 
 def main(args: ArgsType = None) -> int:
     """The console script: exit status 0 when the subcommand finished (errors exit non-zero on their own).
-    ``env`` (``env.py``) and ``estimate`` (``cli/estimate/command.py``) are ours; every other subcommand
-    is LightningCLI's."""
+    ``env`` (``env.py``), ``estimate`` (``cli/estimate/command.py``) and ``verify``
+    (``checkpoint/verify.py``) are ours; every other subcommand is LightningCLI's."""
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["env"]:  # not a LightningCLI subcommand: the machine's report
         from .env import main as env_main
@@ -46,6 +47,10 @@ def main(args: ArgsType = None) -> int:
         from .estimate.command import main as estimate
 
         return estimate(argv[1:])
+    if isinstance(argv, list) and argv[:1] == ["verify"]:  # a checkpoint or export against its checksums
+        from ..checkpoint.verify import main as verify
+
+        return verify(argv[1:])
     build_cli(args)
     return 0
 

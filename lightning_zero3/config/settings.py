@@ -157,6 +157,12 @@ class Zero3Config:
     ``torch.save`` file of full weights and unsharded optimizer state, gathered on every rank (loadable
     by DDP as it is; needs the full model in memory). Loading takes either, whatever this setting."""
 
+    save_non_finite: bool = False
+    """False: a sharded save whose model or optimizer state holds NaN or inf is refused with a
+    ``NonFiniteCheckpointError`` naming the first such tensor and the step (nothing is written, so
+    ``last.ckpt`` is never silently replaced by a diverged state). True: such states are saved as they are
+    (to inspect a divergence). The check runs on the bytes as they are written, adding no read."""
+
     offload_optimizer: Optional[str] = None
     """Where the fp32 master shards and the optimizer state live: ``None`` (the training device),
     ``"cpu"`` (host memory; the optimizer steps on the host) or ``"nvme"`` (files under ``nvme_path``,

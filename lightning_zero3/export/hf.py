@@ -6,7 +6,9 @@ A LightningModule that wraps a Hugging Face model (any ``transformers.PreTrained
 writes: ``config.json`` (and ``generation_config.json`` when the model has one), the weights under the
 Hugging Face model's own names in safetensors files, one ``model.safetensors`` below ``max_shard_size``,
 else ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json`` mapping every name to
-its file. Tensors are written one at a time as they arrive (gathered unit by unit from a live run, or read
+its file, and ``SHA256SUMS``: the SHA-256 of every other file (what the Hub records per file), taken from
+the bytes as they are written, checked by ``lightning-zero3 verify DIR`` or ``sha256sum -c SHA256SUMS``.
+Tensors are written one at a time as they arrive (gathered unit by unit from a live run, or read
 from a sharded checkpoint), so no process holds the model. A tied weight is stored once, under the name
 ``save_pretrained`` keeps (the model's ``_tied_weights_keys`` dropped, e.g. Gemma's ``lm_head.weight``;
 ``from_pretrained`` ties it again); with transformers 4.5x, under each of its names.
@@ -36,12 +38,14 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from .digests import SHA256, bytes_digest, new_digest
 from .writers import TensorEntry, staging_path, write_safetensors
 
 DEFAULT_MAX_SHARD = "5GB"  # save_pretrained's default
 HF_CONFIG = "hf_config.json"  # inside a sharded checkpoint: {"prefix": ..., "config": ..., "generation_config": ...}
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+SHA256SUMS = "SHA256SUMS"  # every other file's SHA-256, in ``sha256sum``'s format (``sha256sum -c SHA256SUMS``)
 
 
 def find_hf_model(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
@@ -130,6 +134,20 @@ def _untied(model: nn.Module, entry: TensorEntry) -> TensorEntry:
     return TensorEntry([n for n in entry.names if n not in dropped], entry.shape, entry.dtype) if dropped else entry
 
 
+def write_sha256sums(directory: Path, sums: dict[str, str]) -> None:
+    """The export's manifest: one ``<sha256>  <file>`` line per file, as ``sha256sum`` writes and checks them."""
+    (directory / SHA256SUMS).write_text("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+
+
+def read_sha256sums(directory: Path) -> dict[str, str]:
+    sums = {}
+    for line in (directory / SHA256SUMS).read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(maxsplit=1)
+            sums[name.lstrip("*")] = digest
+    return sums
+
+
 def parse_size(size: Union[int, str]) -> int:
     """Bytes from an int or a string such as ``"5GB"``, ``"500MiB"``, ``"2e9"``."""
     if isinstance(size, int):
@@ -165,18 +183,26 @@ def write_hf_directory(
         names = [WEIGHTS] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
         ]  # fmt: skip
+        sums: dict[str, str] = {}  # file -> SHA-256, taken from the bytes as they are written
         for name, shard in zip(names, shards):
-            write_safetensors(staging / name, shard, itertools.islice(values, len(shard)))
+            digest = new_digest(SHA256)
+            write_safetensors(staging / name, shard, itertools.islice(values, len(shard)), digest=digest)
+            sums[name] = digest.hexdigest()
+        small: dict[str, bytes] = {}
         if len(shards) > 1:
             weight_map = {n: file for file, shard in zip(names, shards) for e in shard for n in e.names}
             total = sum(e.nbytes * len(e.names) for e in entries)
-            (staging / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        (staging / "config.json").write_text(json.dumps(configuration["config"], indent=2))
+            small[INDEX] = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
+        small["config.json"] = json.dumps(configuration["config"], indent=2).encode()
         if "generation_config" in configuration:
-            (staging / "generation_config.json").write_text(json.dumps(configuration["generation_config"], indent=2))
+            small["generation_config.json"] = json.dumps(configuration["generation_config"], indent=2).encode()
         for name in SOURCE_FILES if source is not None else ():
             if (source / name).is_file():
-                shutil.copyfile(source / name, staging / name)
+                small[name] = (source / name).read_bytes()  # copied verbatim
+        for name, content in small.items():
+            (staging / name).write_bytes(content)
+            sums[name] = bytes_digest(content, SHA256)
+        write_sha256sums(staging, sums)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         os.replace(staging, out)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from ..engine.memory.buffers import host_buffer
+from .digests import DigestingStream
 
 
 def staging_path(final: Path) -> Path:
@@ -93,8 +94,12 @@ def placeholder(entry: TensorEntry) -> torch.Tensor:
 # -- safetensors -------------------------------------------------------------------------------------
 
 
-def write_safetensors(out: Path, entries: list[TensorEntry], tensors: Iterable[torch.Tensor], metadata: dict | None = None) -> None:
-    """Write ``entries`` to ``out``; ``tensors`` yields each entry's values, in the same order."""
+def write_safetensors(
+    out: Path, entries: list[TensorEntry], tensors: Iterable[torch.Tensor], metadata: dict | None = None,
+    digest: Any = None,
+) -> None:
+    """Write ``entries`` to ``out``; ``tensors`` yields each entry's values, in the same order. ``digest``: a
+    running checksum (``digests.new_digest``) that every written byte also goes into."""
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for entry in entries:
@@ -106,7 +111,8 @@ def write_safetensors(out: Path, entries: list[TensorEntry], tensors: Iterable[t
             offset += entry.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    with open(out, "wb") as stream:
+    with open(out, "wb") as raw:
+        stream = raw if digest is None else DigestingStream(raw, digest)
         stream.write(struct.pack("<Q", len(encoded)))
         stream.write(encoded)
         for entry, tensor in zip(entries, tensors):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -25,12 +28,15 @@ from lightning_zero3 import Zero3Config, Zero3Engine
 from lightning_zero3.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
+    NonFiniteCheckpointError,
     UnsafeCheckpointError,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
     write_sharded_checkpoint,
 )
 from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
+from lightning_zero3.checkpoint.sharded import param_names
+from lightning_zero3.cli import main as cli_main
 from lightning_zero3.engine import Communicator
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -176,11 +182,14 @@ def test_truncated_mismatched_and_tampered_checkpoints_fail_naming_the_problem(t
     (incomplete / "zero3.json").unlink()
     assert "incomplete" in _load_error_case(0, 1, str(incomplete), CFG)
 
-    tampered = tmp_path / "tampered"  # metadata that would run a command when unpickled, sizes made to fit
+    # metadata that would run a command when unpickled, sizes made to fit and the checksums dropped (as a
+    # checkpoint from before checksums has none; checksums catch damage, not an attacker who rewrites them)
+    tampered = tmp_path / "tampered"
     shutil.copytree(good, tampered)
     (tampered / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
     manifest = json.loads((tampered / "zero3.json").read_text())
     manifest["files"][".metadata"] = (tampered / ".metadata").stat().st_size
+    del manifest["checksums"]
     (tampered / "zero3.json").write_text(json.dumps(manifest))
     message = _load_error_case(0, 1, str(tampered), CFG)
     assert "refuses" in message and "posix.system" in message
@@ -240,6 +249,130 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_valid(tmp_path, sav
     _assert_same_state(after, before)  # the previous checkpoint is untouched
     _save_case(0, 1, str(path))  # the next save of the name clears the leftover
     assert not list(tmp_path.glob(".good.partial-*"))
+
+
+# -- integrity: checksums, failed saves, non-finite states --------------------------------------------
+
+
+def flip_bytes(file: Path, count: int = 64) -> None:
+    """Invert ``count`` bytes in the middle of ``file``: the same size, other bytes (what a bad disk does)."""
+    data = bytearray(file.read_bytes())
+    count = min(count, len(data))
+    start = (len(data) - count) // 2
+    data[start : start + count] = bytes(b ^ 0xFF for b in data[start : start + count])
+    file.write_bytes(bytes(data))
+
+
+FLIPPED = ["__0_1.distcp", "__1_0.distcp", ".metadata", "trainer_state.pt"]  # shards of each rank, and shared files
+
+
+@pytest.fixture(scope="module")
+def corrupted(saved_on, tmp_path_factory):
+    """Copies of the 2-rank checkpoint, each with 64 bytes flipped in one file."""
+    good, base = Path(saved_on(2)[0]), tmp_path_factory.mktemp("corrupted")
+    made = {}
+    for name in FLIPPED:
+        made[name] = base / name.strip("._")
+        shutil.copytree(good, made[name])
+        flip_bytes(made[name] / name)
+    return made
+
+
+def _poisoned_save_case(rank: int, world: int, corrupted: dict, out: str) -> dict:
+    """Every corrupted checkpoint loaded on 2 ranks; then a save whose state holds NaN on rank 1 only."""
+    messages = {name: _load_error_case(rank, world, str(path), CFG) for name, path in corrupted.items()}
+    model, engine, optimizer = _sharded(seed=0)
+    _train(model, optimizer, rank, world, range(1))
+    poisoned = None
+    if rank == 1:
+        slot = next(s for s in engine.slots.values() if s.shard_param.numel())
+        with torch.no_grad():
+            slot.shard_param.view(-1)[0] = float("nan")
+        poisoned = param_names(engine)[id(slot.shard_param)]
+    try:
+        save_sharded_checkpoint(Path(out) / "nan", engine, [optimizer], {"global_step": 7})
+        refused = "saved"
+    except NonFiniteCheckpointError as error:
+        refused = str(error)
+    left = sorted(p.name for p in Path(out).iterdir())
+    engine.config = dataclasses.replace(engine.config, save_non_finite=True)
+    save_sharded_checkpoint(Path(out) / "nan", engine, [optimizer], {"global_step": 7})
+    return {"messages": messages, "poisoned": poisoned, "refused": refused, "left": left}
+
+
+def test_flipped_bytes_and_non_finite_states_are_refused_on_every_rank(corrupted, tmp_path):
+    results = run_ranks(_poisoned_save_case, 2, corrupted, str(tmp_path))
+    for rank, result in enumerate(results):
+        for name, message in result["messages"].items():
+            reader = int(name[2]) if name.endswith(".distcp") else 0  # each file is checked by one rank
+            assert f"{corrupted[name] / name}: rank {reader} read it" in message, (rank, message)
+            assert "is corrupt; nothing was loaded" in message and message.count("checksum") == 1
+            expected = json.loads((corrupted[name] / "zero3.json").read_text())["checksums"]["files"][name]
+            assert f"written with {expected}" in message
+        # a NaN in one weight on rank 1: both ranks refuse the save, naming the tensor, the step and the way out
+        poisoned = results[1]["poisoned"]
+        refused = result["refused"]
+        assert f"model.{poisoned} holds 1 non-finite value" in refused and "at step 7" in refused, refused
+        assert "found by rank 1" in refused and "save_non_finite=True" in refused and "was removed" in refused
+        assert result["left"] == []  # no partial directory
+    kept = tmp_path / "nan"  # with `save_non_finite=True` the state is saved as it is
+    weights = torch.load(consolidate_checkpoint(kept, tmp_path / "kept.pt"), weights_only=True)
+    poisoned = {name for name, w in weights.items() if torch.isnan(w).any()}  # a tied weight under each name
+    assert results[1]["poisoned"] in poisoned and all(int(torch.isnan(weights[n]).sum()) == 1 for n in poisoned)
+
+
+def test_resharded_loads_and_consolidation_check_every_file(corrupted, tmp_path):
+    for name, path in corrupted.items():
+        message = _load_error_case(0, 1, str(path), CFG)  # saved on 2 ranks, loaded on 1: rank 0 reads all
+        assert f"{path / name}: rank 0 read it" in message, message
+        with pytest.raises(CheckpointError, match=f"{re.escape(str(path / name))}: found the xxh3_64 checksum"):
+            consolidate_checkpoint(path, tmp_path / "out.pt")
+        assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_changed_manifest_is_refused_and_a_checkpoint_without_checksums_loads_with_one_warning(tmp_path, saved_on):
+    good = Path(saved_on(2)[0])
+    changed = tmp_path / "changed"
+    shutil.copytree(good, changed)
+    text = (changed / "zero3.json").read_text()
+    (changed / "zero3.json").write_text(text.replace('"shape": [\n    64', '"shape": [\n    65', 1))  # same size
+    assert (changed / "zero3.json").read_text() != text
+    message = _load_error_case(0, 1, str(changed), CFG)
+    assert f"the manifest {changed / 'zero3.json'} is corrupt" in message and "xxh3_64 checksum" in message
+
+    old = tmp_path / "old"  # as an earlier version wrote it: sizes, no checksums
+    shutil.copytree(good, old)
+    manifest = json.loads((old / "zero3.json").read_text())
+    del manifest["checksums"]
+    (old / "zero3.json").write_text(json.dumps(manifest))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = _load_case(0, 1, str(old))["loaded"]
+    said = [str(w.message) for w in caught if "without checksums" in str(w.message)]
+    assert len(said) == 1 and str(old) in said[0], [str(w.message) for w in caught]
+    _assert_same_state(loaded, saved_on(2)[1])
+
+
+def test_a_failed_save_removes_its_partial_directory_and_says_so(tmp_path, monkeypatch):
+    from lightning_zero3.checkpoint import api
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(api, "write_manifest", fail)
+    with pytest.raises(CheckpointError, match="its partial directory .*good.partial-.* was removed") as error:
+        _save_case(0, 1, str(tmp_path / "good"))
+    assert "No space left on device" in str(error.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_command_checks_a_checkpoint_without_loading_it(corrupted, saved_on, capsys):
+    assert cli_main(["verify", saved_on(2)[0]]) == 0
+    assert "every file matches its checksum" in capsys.readouterr().out
+    bad = corrupted["__1_0.distcp"]
+    assert cli_main(["verify", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {bad / '__1_0.distcp'}: found the xxh3_64 checksum" in out and "1 problem(s)" in out
 
 
 # -- consolidation ---------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from lightning_zero3 import Zero3Config, Zero3Engine, save_full_weights  # noqa: E402
 from lightning_zero3.checkpoint import save_sharded_checkpoint  # noqa: E402
 from lightning_zero3.checkpoint.consolidate import main as consolidate  # noqa: E402
+from lightning_zero3.checkpoint.verify import main as verify  # noqa: E402
 
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
@@ -50,7 +52,7 @@ def _train_and_export(rank: int, world: int, out: str) -> dict:
     return {"logits": logits}
 
 
-def test_a_trained_hugging_face_model_loads_with_from_pretrained(tmp_path):
+def test_a_trained_hugging_face_model_loads_with_from_pretrained(tmp_path, capsys):
     ranks = run_ranks(_train_and_export, 2, str(tmp_path))
     consolidate([str(tmp_path / "ckpt"), str(tmp_path / "consolidated")])  # the format comes from the checkpoint
     live = tmp_path / "live"
@@ -63,3 +65,14 @@ def test_a_trained_hugging_face_model_loads_with_from_pretrained(tmp_path):
         with torch.no_grad():
             logits = model(input_ids=PROMPT).logits
         torch.testing.assert_close(logits, ranks[0]["logits"], rtol=0, atol=1e-6)
+    for directory in (live, tmp_path / "consolidated"):  # SHA256SUMS: every other file's SHA-256, as written
+        sums = dict(reversed(line.split()) for line in (directory / "SHA256SUMS").read_text().splitlines())
+        assert set(sums) == {p.name for p in directory.iterdir()} - {"SHA256SUMS"}
+        assert all(hashlib.sha256((directory / name).read_bytes()).hexdigest() == sums[name] for name in sums)
+        assert verify([str(directory)]) == 0
+    shard = live / files[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    shard.write_bytes(bytes(data))
+    assert verify([str(live)]) == 1
+    assert f"BAD {shard}: found the sha256 checksum" in capsys.readouterr().out

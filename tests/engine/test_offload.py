@@ -23,7 +23,12 @@ from torch import nn
 
 import lightning_zero3
 from lightning_zero3 import Zero3Config, Zero3ConfigError, Zero3Engine, Zero3Strategy, gathered_parameters
-from lightning_zero3.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from lightning_zero3.checkpoint import (
+    NonFiniteCheckpointError,
+    load_sharded_checkpoint,
+    optimizer_pieces,
+    save_sharded_checkpoint,
+)
 from lightning_zero3.checkpoint.full import save_full_checkpoint
 from lightning_zero3.engine.memory.buffers import OFFLOAD_HOST, host_buffer
 from lightning_zero3.engine.offload import NvmePathError, SwapDiskFullError, tiers
@@ -206,6 +211,15 @@ def test_nvme_streams_gradient_passes_and_checkpoints_within_the_buffer_count(tm
             engine.load_full_state_dict(full["state_dict"])
             engine.load_full_optimizer_state(optimizer, full["optimizer_states"][0])
         after_load = [_passes(model, engine, optimizer, data, step) for step in range(3, 5)]
+        if mode == "nvme":  # a NaN in a moment that lives only in its swap file: refused from the bytes being written
+            piece = next(value for entry in optimizer_pieces(engine, optimizer)["state"].values()
+                         for key, value in entry.items() if key == "exp_avg" and value.source is not None
+                         and value.tensor.numel())  # fmt: skip
+            aio_module.write_range(piece.source.file, torch.full((1,), float("nan")), piece.source.offset)
+            with engine.ledger.watch() as phases["refused save"]:
+                with pytest.raises(NonFiniteCheckpointError, match=r"optimizer\.0\..*\.exp_avg holds 1 non-finite"):
+                    save_sharded_checkpoint(tmp_path / mode / "refused", engine, [optimizer], {"global_step": 5})
+            assert not list((tmp_path / mode).glob(".refused.partial-*"))
         largest = max(rt.group.shard_numel * 4 for rt in engine.runtimes)  # bytes of one fp32 shard
         states = 16 * sum(p.numel() for p in GPT(cfg).parameters())
         runs[mode] = {"steps": steps, "after_load": after_load, "phases": phases, "weights": weights,

@@ -7,11 +7,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import math
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from gpt import GPT, GPTConfig, GPTModule, random_tokens
+from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader
 
 from lightning_zero3 import Zero3Config, Zero3Engine, Zero3Strategy
@@ -197,3 +199,50 @@ def test_a_one_device_trainer_trains_as_lightnings_own_single_device_strategy(mo
     assert calls == []
     monkeypatch.undo()
     assert zero3 == pytest.approx(_fit("auto"), rel=1e-6, abs=0)
+
+
+class _Clipped(_Recorded):
+    """Records the global gradient norm before clipping (one process: its shards hold the whole gradient),
+    and makes the loss NaN at the optimizer step ``nan_at``."""
+
+    def __init__(self, nan_at: int) -> None:
+        super().__init__()
+        self.nan_at, self.norms = nan_at, []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step + 1 == self.nan_at else loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad.reshape(-1) for p in self.trainer.strategy._engine.shard_params if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.cat(grads))))
+
+
+class _Metrics(Logger):
+    """A logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict] = []
+
+    name = "metrics"
+    version = 0
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append(dict(metrics))
+
+
+def test_the_clipping_norm_is_logged_and_a_non_finite_one_is_reported_at_its_step():
+    pl.seed_everything(0)
+    module, logger = _Clipped(nan_at=3), _Metrics()
+    trainer = pl.Trainer(strategy=Zero3Strategy(persistence_threshold=100, tune_collectives=False), accelerator="cpu",
+                         devices=1, max_steps=3, logger=logger, log_every_n_steps=1, gradient_clip_val=0.05,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with pytest.warns(UserWarning, match="the global gradient norm is nan at step 3"):
+        trainer.fit(module, DataLoader(random_tokens(8 * STEPS, CFG.block_size, CFG.vocab_size), batch_size=8))
+    logged = [m["zero3/grad_norm"] for m in logger.logged if "zero3/grad_norm" in m]
+    assert len(logged) == 3 and logged[:2] == pytest.approx(module.norms[:2], rel=1e-5, abs=0)
+    assert logged[0] > 0.05 and math.isnan(logged[2])  # clipped for real; the NaN step logged as it was

@@ -77,8 +77,10 @@ EXPECTED = {
     "kill_step": (["rank 1", "ended without a word", "SIGKILL"], []),
     "exception": (["rank 1 failed: ValueError: injected failure on rank 1 only"], []),
     "kill_save": (["rank 0", "SIGKILL"], []),
-    "commit": ([], ["CheckpointError", "failed while committing it", "rank 0: OSError", "Input/output error"]),
-    "enospc": ([], ["CheckpointError", "failed while writing the shards", "rank 1: OSError", "No space left on device"]),
+    "commit": ([], ["CheckpointError", "failed while committing it", "rank 0: OSError", "Input/output error",
+                    "its partial directory", "was removed"]),
+    "enospc": ([], ["CheckpointError", "failed while writing the shards", "rank 1: OSError", "No space left on device",
+                    "its partial directory", "was removed"]),
 }
 FAILING_RANK = {"kill_step": 1, "exception": 1, "kill_save": 0, "commit": 0, "enospc": 1}
 
@@ -120,3 +122,6 @@ def test_the_previous_checkpoint_stays_loadable(runs, fault, tmp_path):
     weights = torch.load(consolidate_checkpoint(checkpoint, tmp_path / "w.pt"), weights_only=True)
     assert set(manifest["params"]) <= set(weights)
     assert all(torch.isfinite(w).all() for w in weights.values())
+    leftovers = sorted(p.name for p in (base / fault).glob(".ckpt.partial-*"))
+    if fault in ("commit", "enospc"):  # a save that failed (and was not killed) removed its partial directory
+        assert leftovers == [], leftovers

@@ -36,6 +36,9 @@ from ..precision_core import PrecisionCore, translate_precision
 class Zero3Precision(PrecisionCore, Precision):
     """The Trainer's zero3 precision plugin (``PrecisionCore`` holds what it shares with Fabric's)."""
 
+    grad_norm: Optional[torch.Tensor] = None  # the global gradient norm of the last clipping, until reported
+    step_skipped: bool = False  # the fp16 loss scaler found inf/NaN gradients and skipped the last step
+
     # -- backward and step ------------------------------------------------------------------------
 
     def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
@@ -51,6 +54,7 @@ class Zero3Precision(PrecisionCore, Precision):
         found_inf = False
         if not skipped_backward:
             found_inf = self.scaler.unscale_and_check(self._require_engine(), list(self.main_params(optimizer)))
+        self.step_skipped = found_inf
         self._after_closure(model, optimizer)  # hooks and clipping see unscaled gradients
         if skipped_backward:
             return closure_result
@@ -60,7 +64,8 @@ class Zero3Precision(PrecisionCore, Precision):
         return closure_result
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        self._require_engine().clip_grad_norm_(float(clip_val), params=list(self.main_params(optimizer)))
+        engine = self._require_engine()
+        self.grad_norm = engine.clip_grad_norm_(float(clip_val), params=list(self.main_params(optimizer)))
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         self._require_engine().clip_grad_value_(float(clip_val), params=list(self.main_params(optimizer)))

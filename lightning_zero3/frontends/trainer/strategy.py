@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
@@ -103,6 +103,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
         inference_memory_budget: Optional[Union[int, str]] = DEFAULTS.inference_memory_budget,
         unshard_after_fit: bool = DEFAULTS.unshard_after_fit,
         checkpoint_format: Literal["sharded", "full"] = DEFAULTS.checkpoint_format,
+        save_non_finite: bool = DEFAULTS.save_non_finite,
         offload_optimizer: Optional[Literal["cpu", "nvme", "none", "device", "auto"]] = DEFAULTS.offload_optimizer,
         offload_params: Optional[Literal["cpu", "nvme", "none", "device", "auto"]] = DEFAULTS.offload_params,
         memory_budget: Optional[Union[int, str]] = DEFAULTS.memory_budget,
@@ -254,6 +255,30 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
             warning = first_step_warning(engine)
             if warning:
                 warnings.warn(f"rank {self.global_rank}: {warning}", stacklevel=2)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._report_grad_norm()
+        return result
+
+    def _report_grad_norm(self) -> None:
+        """Log the global gradient norm that clipping by norm computed (``zero3/grad_norm``, through
+        ``LightningModule.log``, so it reaches the Trainer's loggers at their cadence), and warn at the step
+        where it is not finite (unless the fp16 loss scaler skipped that step, as it is made to)."""
+        plugin = self.precision_plugin
+        norm, plugin.grad_norm = plugin.grad_norm, None
+        module = self.lightning_module
+        if norm is None or module is None:
+            return
+        if not plugin.step_skipped and not bool(torch.isfinite(norm)):
+            rank_zero_warn(
+                f"zero3: the global gradient norm is {float(norm)} at step {module.trainer.global_step + 1}: the "
+                "gradients hold NaN or inf, so this step's update is not finite either. Lower the learning rate, "
+                "check the data of this step, or train in bf16 instead of fp16; a checkpoint of such a state is "
+                "refused (see `Zero3Config.save_non_finite`)."
+            )
+        if module._current_fx_name is not None:  # inside a hook that may log
+            module.log("zero3/grad_norm", norm.detach().float().reshape(()), on_step=True, on_epoch=False)
 
     @contextmanager
     def block_backward_sync(self) -> Generator:
