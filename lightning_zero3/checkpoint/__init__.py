@@ -7,6 +7,7 @@
     files.py        single ``torch.save`` files written atomically, read weights-only
     full.py         ``checkpoint_format="full"``: the single file DDP saves, written unit by unit
     consolidate.py  ``zero3-consolidate``: a sharded checkpoint to one file of full weights
+    verify.py       ``lightning-zero3 verify``: a checkpoint or export checked against its checksums
 
 Weights for other tools (no optimizer, not for resuming) are ``export/``'s.
 Imports: ``engine``, ``export`` (its file writers and the Hugging Face layout) and ``errors``.

@@ -6,6 +6,7 @@
                      safetensors and their index
     adapters.py      LoRA adapters merged into their base weights on the way out
     writers.py       files of full tensors written one tensor at a time (``torch.save`` format, safetensors)
+    digests.py       checksums of the bytes as they are written (sharded checkpoints, SHA256SUMS of exports)
 
 Imports: ``engine`` (and ``errors``); ``checkpoint/`` imports the writers and the HF layout from here.
 """
