@@ -60,8 +60,8 @@ def _entries(manifest: dict, prefix: str) -> list[_Entry]:
 def _read_full(path: Path, entry: _Entry) -> torch.Tensor:
     """One tensor, whole, read from every rank's pieces (this process alone). It is a memory map of its
     own, handed back to the kernel when the writer drops it: from glibc's heap, each freed tensor left a
-    hole that the small allocations of the next read carved up, and the peak grew by 4-9 tensors, varying
-    from run to run (measured: 7-38 MiB above the start for 2 MiB tensors, 25-74 MiB for 8 MiB ones)."""
+    hole that the small allocations of the next read carve up, and the peak would grow by several tensors,
+    varying from run to run."""
     full = host_buffer(entry.numel, entry.dtype)
     target = FlatPiece(full, 0, entry.numel) if entry.is_param else full.view(entry.shape)
     load_pieces({MODEL_PREFIX + entry.saved_name: target}, path, collective=False)
@@ -71,8 +71,8 @@ def _read_full(path: Path, entry: _Entry) -> torch.Tensor:
 def _tensors(path: Path, entries: list[_Entry]) -> Iterator[torch.Tensor]:
     for entry in entries:
         # The read's own temporaries (the bytes DCP read, at the tensor's size) come from glibc's heap once
-        # its mmap threshold has risen to that size, and their freed space stayed resident: the peak still
-        # varied by run (7-12 MiB above the start for 2 MiB tensors, once 33 MiB). Handing the heap's free
+        # its mmap threshold has risen to that size, and their freed space stays resident: the peak would
+        # still vary by run. Handing the heap's free
         # pages back before each read bounds it by one read's temporaries.
         return_free_heap()
         yield _read_full(path, entry)
