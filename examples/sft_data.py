@@ -13,9 +13,9 @@ right-padded to the longest in the batch with the tokenizer's pad token (its EOS
 an attention mask of 0 there; rows longer than ``max_length`` are cut. With ``packing`` whole rows are
 concatenated into packs of up to ``max_length`` tokens instead (see [Note: packed rows]); with
 ``group_by_length`` each batch holds rows of similar length (``LengthGroupedSampler``). A bad row fails
-with the file, the line number and what is wrong, before anything trains. The last ``val_fraction`` of the rows (at least
-one) is the validation split. With no ``path`` given, a small sample file is written (once) at
-``SAMPLE_DATA`` and trained on; a ``path`` that is given must exist and is only read.
+with the file, the line number and what is wrong, before anything trains. The last ``val_fraction`` of
+the rows (at least one) is the validation split. With no ``path`` given, a small sample file is written
+(once) at ``SAMPLE_DATA`` and trained on; a ``path`` that is given must exist and is only read.
 
 [Note: resuming mid-epoch]
 The training rows are shuffled per epoch as Lightning's own distributed sampler shuffles them (the
@@ -37,10 +37,10 @@ there is no attention mask: transformers then derives a block-causal mask from t
 the earlier tokens of its own row, at the positions it has alone. It does so only without a KV cache, and
 a model whose config has ``use_cache`` (the default) makes one even in training unless the forward says
 ``use_cache=False``, as ``CausalLMFineTune.batch_loss`` does; with a cache the rows would silently attend
-across their boundaries. Flash-attention reads the same restarts
-but only in a batch of one row, so for it a batch's packs are laid end to end in one row. Each row's first
-label is -100: no row's first token is predicted from the previous row's last, so every row trains the
-tokens it trains alone, and the loss over the trained tokens of all ranks is unchanged.
+across their boundaries. Flash-attention reads the same restarts, but only in a batch of one row
+(``modeling_flash_attention_utils._is_packed_sequence``), so for it a batch's packs are laid end to end in
+one row. Each row's first label is -100: no row's first token is predicted from the previous row's last, so
+every row trains the tokens it trains alone, and the loss over the trained tokens of all ranks is unchanged.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def packed_layout(module: torch.nn.Module) -> bool:
     except ImportError:
         raise PackingError(
             "packing: true needs a transformers whose attention masks follow restarting position ids "
-            "(transformers.masking_utils.find_packed_sequence_indices, 4.54 and later); upgrade transformers, "
+            "(transformers.masking_utils.find_packed_sequence_indices); upgrade transformers, "
             "or set --data.init_args.packing false (group_by_length: true also removes most padding)."
         ) from None
     config = next((m.config for m in module.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")), None)
