@@ -373,8 +373,15 @@ class JsonlInstructions(pl.LightningDataModule):
         def batches_done() -> int:  # read when a checkpoint is written
             return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
-        return ResumableLoader(self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=self._collate,
-                               drop_last=True, batches_done=batches_done)  # fmt: skip
+        loader = ResumableLoader(self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=self._collate,
+                                 drop_last=True, batches_done=batches_done)  # fmt: skip
+        if len(loader) == 0:
+            items = f"{len(self.train)} packs of up to {self.max_length} tokens" if self.packing else f"{len(self.train)} rows"
+            raise ValueError(
+                f"{type(self).__name__}: the training split holds {items}, fewer than one batch of batch_size "
+                f"{self.batch_size} on each of {trainer.world_size} ranks: lower --data.init_args.batch_size, or give more rows."
+            )
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         self._check_packing()

@@ -5,6 +5,7 @@ with the file, the line and what is wrong."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -193,3 +194,17 @@ def test_a_resumed_loader_starts_after_the_batches_done_with_any_sampler():
         loader.load_state_dict({"batches_done": 3})
         assert len(whole) == 5 and [batch.tolist() for batch in loader] == whole[3:]
         assert [batch.tolist() for batch in loader] == whole  # the next epoch whole again
+
+
+def test_a_split_too_small_for_one_batch_a_rank_stops_before_the_first_step():
+    data = JsonlInstructions(max_length=32, batch_size=2, packing=True)
+    data.train, data.pad_id = pack(random_rows([9, 14, 5, 20, 11, 3, 17, 8]), 32), 0  # 4 packs
+    model = tiny_causal_lm("llama", "sdpa")
+    data.trainer = SimpleNamespace(world_size=2, global_rank=0, lightning_module=model)
+    assert len(data.train_dataloader()) == 1
+    data.trainer.world_size = 4
+    with pytest.raises(ValueError, match=r"holds 4 packs of up to 32 tokens, fewer than one batch of batch_size 2 on each of 4 ranks: lower --data.init_args.batch_size"):
+        data.train_dataloader()
+    model.config._attn_implementation = "paged|sdpa"
+    with pytest.raises(PackingError):  # refused when the loader is asked for, before any step
+        data.train_dataloader()
