@@ -198,12 +198,12 @@ def test_a_resumed_loader_starts_after_the_batches_done_with_any_sampler():
 
 def test_a_split_too_small_for_one_batch_a_rank_stops_before_the_first_step():
     data = JsonlInstructions(max_length=32, batch_size=2, packing=True)
-    data.train, data.pad_id = pack(random_rows([9, 14, 5, 20, 11, 3, 17, 8]), 32), 0  # 4 packs
+    data.train, data.pad_id = pack(random_rows([9, 14, 5, 20, 11, 3, 17, 8]), 32), 0  # 3 packs
     model = tiny_causal_lm("llama", "sdpa")
     data.trainer = SimpleNamespace(world_size=2, global_rank=0, lightning_module=model)
     assert len(data.train_dataloader()) == 1
     data.trainer.world_size = 4
-    with pytest.raises(ValueError, match=r"holds 4 packs of up to 32 tokens, fewer than one batch of batch_size 2 on each of 4 ranks: lower --data.init_args.batch_size"):
+    with pytest.raises(ValueError, match=r"holds 3 packs of up to 32 tokens, fewer than one batch of batch_size 2 on each of 4 ranks: lower --data.init_args.batch_size"):
         data.train_dataloader()
     model.config._attn_implementation = "paged|sdpa"
     with pytest.raises(PackingError):  # refused when the loader is asked for, before any step
