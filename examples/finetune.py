@@ -250,8 +250,8 @@ class CausalLMFineTune(pl.LightningModule):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def batch_loss(self, batch) -> torch.Tensor:
-        """A jsonl batch (``input_ids``, ``attention_mask``, ``labels`` with -100 where not trained:
-        ``sft_data.py``), its loss over the trained tokens of all ranks (see [Note: the loss over the global
+        """A jsonl batch (``input_ids``, ``attention_mask`` or packed rows' ``position_ids``, ``labels`` with
+        -100 where not trained: ``sft_data.py``), its loss over the trained tokens of all ranks (see [Note: the loss over the global
         token count]); or (ids, targets) windows of plain tokens."""
         if not isinstance(batch, dict):
             return self.loss(*batch[:2])
@@ -259,8 +259,9 @@ class CausalLMFineTune(pl.LightningModule):
         world = self.trainer.world_size
         if world > 1:
             trained = self.trainer.strategy.reduce(trained, reduce_op="sum")
-        # transformers' causal-LM loss sums over the tokens and divides by ``num_items_in_batch``
-        return self.model(**batch, num_items_in_batch=trained.clamp(min=1)).loss * world
+        # transformers' causal-LM loss sums over the tokens and divides by ``num_items_in_batch``; no KV cache:
+        # training reads none, and with one transformers ignores packed rows' position ids ([Note: packed rows])
+        return self.model(**batch, num_items_in_batch=trained.clamp(min=1), use_cache=False).loss * world
 
     def training_step(self, batch, batch_idx):
         loss = self.batch_loss(batch)

@@ -12,7 +12,8 @@ one before the first user message's text), and the image into ``pixel_values`` a
 the last (assistant) message is trained: the prompt and its image tokens get the label -100. Rows are
 right-padded as ``sft_data.collate`` pads them; ``pixel_values`` are padded with zero tiles to the most
 tiles of the batch (LLaVA-Next's any-resolution images differ in tile count; the model keeps each image's
-own, from ``image_sizes``). Sampling, resume and the validation split are ``JsonlInstructions``'.
+own, from ``image_sizes``). Sampling, resume, ``group_by_length`` and the validation split are
+``JsonlInstructions``'. Rows are not packed: each row's image features are placed by its own image tokens.
 """
 
 from __future__ import annotations
@@ -93,11 +94,14 @@ class ImageConversations(JsonlInstructions):
         max_length: Tokens per row at most, the image's tokens included (longer rows are cut in the response).
         batch_size: Rows per batch on each rank.
         val_fraction: The share of rows (the last ones, at least one) kept for validation.
+        group_by_length: Batches of rows of similar length (image tokens included), in shuffled order: less
+            padding (``sft_data.LengthGroupedSampler``).
     """
 
     def __init__(self, path: Optional[str] = None, processor: Optional[str] = None, max_length: int = 512,
-                 batch_size: int = 4, val_fraction: float = 0.1) -> None:  # fmt: skip
-        super().__init__(path or SAMPLE_IMAGE_DATA, processor, max_length, batch_size, val_fraction)
+                 batch_size: int = 4, val_fraction: float = 0.1, group_by_length: bool = False) -> None:  # fmt: skip
+        super().__init__(path or SAMPLE_IMAGE_DATA, processor, max_length, batch_size, val_fraction,
+                         group_by_length=group_by_length)  # fmt: skip
         self.sample = path is None
 
     SAMPLE_WRITER = "write_sample_images"  # prepare_data (JsonlInstructions') writes images and rows
@@ -119,6 +123,9 @@ class ImageConversations(JsonlInstructions):
                 raise DataFormatError(f"{self.path}:{number}: {failure}") from None
         held = max(1, int(len(examples) * self.val_fraction)) if len(examples) > 1 else 0
         self.train, self.val = examples[: len(examples) - held], examples[len(examples) - held :]
+
+    def lengths(self) -> list[int]:
+        return [len(row["input_ids"]) for row in self.train]
 
     def _collate(self, rows):
         return collate_images(rows, self.pad_id)

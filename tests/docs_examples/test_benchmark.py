@@ -166,3 +166,27 @@ def test_single_device_row_is_plain_lightning_beside_zero3_at_world_size_one(tmp
     assert len(single["losses"]) == 4 and all(0 < loss < 10 for loss in single["losses"])
     table = done.stdout[done.stdout.index("strategy |") :]
     assert "nan" not in table and "| n/a" in table  # no DDP row: its ratios are "n/a"
+
+
+def test_finetune_benchmark_data_follows_alpacas_lengths_and_padding_is_counted_in_every_layout(tmp_path):
+    """``benchmark_finetune.py``'s generated rows have the lengths it states (Alpaca's prompt and response
+    medians and 95th percentiles, in the recipe's tokens), and its padding count finds the attention mask's
+    zeros of a padded batch and only the tail of a packed one."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
+    from benchmark_finetune import ALPACA, padding_positions, write_rows
+
+    from examples.finetune_assets import train_tokenizer
+    from examples.sft_data import IGNORE, collate, collate_packed, pack, read_rows, tokenize
+
+    train_tokenizer(tmp_path / "tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    rows = [tokenize(row, tokenizer, 512) for _, row in read_rows(write_rows(tmp_path / "rows.jsonl", tokenizer, 600))]
+    responses = sorted(sum(label != IGNORE for label in labels) - 1 for _, labels in rows)  # less the EOS
+    median, p95 = ALPACA["response"]
+    assert abs(responses[300] - median) <= 0.15 * median and abs(responses[570] - p95) <= 0.25 * p95
+    padded = collate(rows[:4], tokenizer.pad_token_id)
+    assert padding_positions(padded, tokenizer.pad_token_id) == padded["input_ids"].numel() - sum(len(r[0]) for r in rows[:4])
+    packs = pack(rows[:12], 512)
+    packed = collate_packed(packs, tokenizer.pad_token_id)
+    assert padding_positions(packed, tokenizer.pad_token_id) == packed["input_ids"].numel() - sum(len(r[0]) for r in rows[:12])

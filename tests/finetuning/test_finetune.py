@@ -1,7 +1,8 @@
 """Fine-tuning a pretrained Hugging Face model: the jobs of ``examples/configs/finetune_*.yaml`` through
 ``lightning-zero3 fit`` under zero3 and DDP, from one bf16 checkpoint with its own subword tokenizer, on a
-jsonl file of instruction, chat and text rows; and an interrupted job resumed with ``--ckpt_path last``
-(``tests/scripts/finetune_run.py``, one spawned job for all)."""
+jsonl file of instruction, chat and text rows (packed for the full fine-tune, in length-grouped batches for
+LoRA); and an interrupted packed job resumed with ``--ckpt_path last`` (``tests/scripts/finetune_run.py``,
+one spawned job for all)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,24 @@ def ranks(out):
 
 def test_the_first_loss_is_the_pretrained_models_own(ranks):
     """The model zero3 reads from the bf16 checkpoint into fp32 shards is the pretrained model: its first
-    training loss is what ``from_pretrained`` gives on that batch (LoRA's B starts at zero), with the loss
-    summed over this rank's response tokens and divided by the count of all ranks' (times the world size)."""
+    training loss is what ``from_pretrained`` gives on that batch's rows, each run alone (LoRA's B starts at
+    zero), with the loss summed over this rank's response tokens and divided by the count of all ranks'
+    (times the world size). For the packed full fine-tune this is each packed row's loss equal to its
+    unpacked loss, through the whole job, under zero3 and DDP."""
     for result in ranks:
         for run in RUNS:
             first, pretrained = result[run]["losses"][0], result[run]["pretrained_loss"]
             assert first == pytest.approx(pretrained, rel=1e-6, abs=0), run
+
+
+def test_the_full_fine_tune_trains_on_packs_of_several_rows(ranks):
+    for result in ranks:
+        for run in ("full-zero3", "full-ddp"):
+            packs = result[run]["items"]
+            assert len(packs) == 9 and sum(packs) == 22 and max(packs) == 3, packs  # every row, whole, once
+            first = result[run]["first_batch"]
+            assert first["shape"][0] == 1 and first["shape"][1] <= 80, first  # one pack a batch
+        assert result["lora-zero3"]["items"] == [1] * 22 and result["lora-zero3"]["first_batch"]["rows"] == 2
 
 
 def test_zero3_losses_equal_ddps_from_the_same_weights(ranks):
@@ -98,7 +111,7 @@ def test_exports_reload_with_from_pretrained_to_the_trained_weights_bitwise(out)
 def test_an_interrupted_job_resumed_with_ckpt_path_last_gives_the_uninterrupted_losses(ranks):
     """Stopped after 3 of 6 steps (mid-epoch, warmup and cosine still under way), then the same command with
     ``--ckpt_path last``: the 6 losses equal the uninterrupted run's bitwise, so the weights, AdamW's
-    moments, the LR schedule and the position in the shuffled data all resumed (the 6th step is in the
+    moments, the LR schedule and the position in the shuffled packs all resumed (the 6th step is in the
     second epoch, reshuffled)."""
     for result in ranks:
         resume = result["resume"]

@@ -2,13 +2,14 @@
 CPU processes, on a jsonl file of instruction, chat and text rows; each rank writes ``OUT/rank<R>.json``.
 
   full-zero3, full-ddp, lora-zero3, lora-ddp   STEPS steps each from the same small checkpoint (bf16
-        safetensors and a subword tokenizer, written by ``make_pretrained``), exported to ``OUT/<run>/``.
+        safetensors and a subword tokenizer, written by ``make_pretrained``), exported to ``OUT/<run>/``;
+        the full runs on packed rows (``packing: true``), the LoRA runs in length-grouped batches.
   interrupted   full under zero3 with max_steps STEPS, stopped after STEPS // 2 (mid-epoch), a sharded
         ``last.ckpt`` written there by ModelCheckpoint; resumed: the same job with ``--ckpt_path last``.
 Recorded per run: this rank's loss of every step, the loss of the pretrained model itself
-(``from_pretrained``) on the first batch, normalised as the module does (over the trained tokens of all
-ranks), and for zero3 which units train and how many optimizer-state elements this rank holds; and the
-checkpoint's files' digests before and after (the checkpoint given is never written to).
+(``from_pretrained``) on the first batch, each row of it run alone and normalised as the module does (over
+the trained tokens of all ranks), and for zero3 which units train and how many optimizer-state elements this
+rank holds; and the checkpoint's files' digests before and after (the checkpoint given is never written to).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from examples.finetune_assets import write_sample_data  # noqa: E402
 from lightning_zero3.cli import build_cli  # noqa: E402
 
 SHAPE = TinyLlama(hidden_size=64, intermediate_size=160, num_hidden_layers=3, max_position_embeddings=128)
-STEPS = 6  # 22 training rows, 2 ranks, 2 rows a batch: 5 batches an epoch, so the resume is mid-epoch
+STEPS = 6  # resumed mid-epoch (5 batches an epoch), the 6th step in the second epoch
+# 22 training rows in 9 packs of up to 80 tokens (2 or 3 rows each), 1 pack a batch; LoRA: 2 rows a batch
+DATA = {"full": ["--data.init_args.packing", "true", "--data.init_args.max_length", "80", "--data.init_args.batch_size", "1"],
+        "lora": ["--data.init_args.group_by_length", "true", "--data.init_args.batch_size", "2"]}  # fmt: skip
 
 
 class StopAfter(pl.Callback):
@@ -60,22 +64,36 @@ def args_for(variant: str, strategy: str, out: Path, checkpoint: Path, data: Pat
         "--trainer.logger.init_args.save_dir", str(out / "logs"), "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false", "--trainer.callbacks", json.dumps(callbacks),
         "--model.init_args.checkpoint", str(checkpoint), "--model.init_args.export_dir", str(out / export),
-        "--data.init_args.path", str(data), "--data.init_args.batch_size", "2",
+        "--data.init_args.path", str(data), *DATA[variant],
     ]  # fmt: skip
 
 
+def rows_of(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (ids, labels) of each row of a padded batch, or of each row of a packed one (where its position
+    ids restart), without padding."""
+    if "position_ids" not in batch:
+        mask = batch["attention_mask"].bool()
+        return [(ids[m], labels[m]) for ids, labels, m in zip(batch["input_ids"], batch["labels"], mask)]
+    rows = []
+    for ids, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
+        starts = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+        rows += [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:]) if (labels[a:b] != IGNORE).any()]
+    return rows
+
+
 def pretrained_loss(checkpoint: Path, batch: dict) -> float:
-    """The pretrained model's loss on this rank's batch: its tokens' summed loss over the trained tokens of
-    every rank, times the world size (what ``CausalLMFineTune.batch_loss`` computes)."""
+    """The pretrained model's loss on this rank's batch, each row run alone: the rows' summed token losses
+    over the trained tokens of every rank, times the world size (what ``CausalLMFineTune.batch_loss``
+    computes)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    targets = batch["labels"][:, 1:]
-    total = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                              ignore_index=IGNORE, reduction="sum")  # fmt: skip
-    count = (targets != IGNORE).sum()
+    total, count = torch.zeros(()), torch.zeros((), dtype=torch.long)
+    for ids, labels in rows_of(batch):
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0]
+        total += torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=IGNORE, reduction="sum")
+        count += (labels[1:] != IGNORE).sum()
     torch.distributed.all_reduce(count)
     return (total * torch.distributed.get_world_size() / count).item()
 
@@ -86,7 +104,9 @@ def run(variant: str, strategy: str, out: Path, checkpoint: Path, data: Path, ad
         args += ["--model.init_args.lora.adapter", str(adapter)]
     cli = build_cli(args)
     module, trainer = cli.model, cli.trainer
-    result = {"losses": module.step_losses, "pretrained_loss": pretrained_loss(checkpoint, module.first_batch)}
+    result = {"losses": module.step_losses, "pretrained_loss": pretrained_loss(checkpoint, module.first_batch),
+              "first_batch": {"rows": len(rows_of(module.first_batch)), "shape": list(module.first_batch["input_ids"].shape)},
+              "items": [len(item) if isinstance(item, list) else 1 for item in cli.datamodule.train]}  # rows a pack
     if variant == "full":  # the trained weights, gathered, to hold the export against
         with lightning_zero3.gathered_parameters(module.model):
             trained = {name: value.detach().clone() for name, value in module.model.state_dict().items()}
