@@ -66,7 +66,9 @@ def load_pretrained(
     ``strict``: every tensor of the model must be found and every kept checkpoint name must be the
     model's; with ``strict=False`` what is missing keeps its initial values (logged). Shapes must agree.
 
-    Call it on every rank (each reads its own part). Under zero3, in ``configure_model``::
+    Call it on every rank (each reads its own part). Under zero3, in ``configure_model`` (where nothing is
+    then drawn for the checkpoint's tensors; for a Hugging Face model ``from_pretrained(AutoModel..., path)``
+    does both in one call)::
 
         config = AutoConfig.from_pretrained(path)
         self.model = load_pretrained(AutoModelForCausalLM.from_config(config), path)
@@ -109,9 +111,10 @@ def _warn_if_drawn(module: nn.Module, values: PendingValues, path) -> None:
     if drawn:
         log.warning(
             "zero3: load_pretrained(%s): building this model drew %d random numbers on every rank for tensors "
-            "the checkpoint overwrites. Call load_pretrained inside the block that builds the model "
-            "(`configure_model`, or `with fabric.init_module(empty_init=True):` / `trainer.init_module(...)`) "
-            "and those draws are skipped.", path, drawn,
+            "the checkpoint overwrites. Build and load it in one call, `lightning_zero3.from_pretrained("
+            "AutoModel..., path)`, or call load_pretrained inside the block that builds it (`configure_model`, "
+            "`with fabric.init_module(empty_init=True):`, `with trainer.init_module(empty_init=True):`), and "
+            "those draws are skipped.", path, drawn,
         )  # fmt: skip
 
 

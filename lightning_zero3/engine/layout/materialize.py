@@ -78,8 +78,12 @@ engine fills those from the file); a Hugging Face model's tensors the checkpoint
 waiting draw is made, in order. So a complete checkpoint costs no draw at all, and every rank's generator
 ends where it does after ``from_pretrained`` (and peft's ``get_peft_model`` after it). The draws of a
 parameter are *decided* once made or skipped; a load outside the block finds them made (correct, but
-paid for: ``load_pretrained`` says so). Not seen while draws wait: reading the generator's state directly
-(``torch.get_rng_state()``, ``fork_rng``) inside the block, which no dispatch reaches.
+paid for: ``load_pretrained`` says so). What ``__init__`` draws on a real tensor (a value it computes,
+such as ``nn.Parameter(torch.randn(n))``) is drawn there, eager's order kept; ``from_pretrained`` draws
+nothing there, so ``pretrained/build.py`` builds such models wholly on the meta device, unrecorded
+(``built_whole_on_meta``), and gives their parameters empty records (``adopt``) whose draws wait the same
+way. Not seen while draws wait: reading the generator's state directly (``torch.get_rng_state()``,
+``fork_rng``) inside the block, which no dispatch reaches.
 """
 
 from __future__ import annotations
@@ -138,6 +142,34 @@ def parameters_on_meta() -> Iterator[None]:
         # the scratch draws are freed, but glibc's heap kept them resident (a Mixtral layer's experts:
         # 236 MB per rank, measured), a floor under every later phase: a phase ends here
         return_free_heap()
+
+
+def recording() -> bool:
+    """Whether a ``parameters_on_meta()`` block is open (a model is being built for zero3 to shard)."""
+    return _recorder is not None
+
+
+@contextmanager
+def built_whole_on_meta() -> Iterator[None]:
+    """Inside a ``parameters_on_meta()`` block: what the block builds has every tensor on the meta device,
+    buffers too, and nothing of it is recorded or drawn (as ``from_pretrained`` builds); ``adopt`` then
+    gives its parameters records for what initialises them later."""
+    assert _recorder is not None, "built_whole_on_meta() belongs inside parameters_on_meta()"
+    _recorder.paused = True
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        _recorder.paused = False
+
+
+def adopt(module: nn.Module) -> None:
+    """Give ``module``'s meta parameters that have none an empty construction record in the open recording:
+    their draws wait for a load ([Note: draws wait for a load]), and what runs on them is recorded."""
+    assert _recorder is not None, "adopt() belongs inside parameters_on_meta()"
+    for p in module.parameters():
+        if p.is_meta and getattr(p, CONSTRUCTION, None) is None:
+            _recorder.track(p, Construction(_recorder.device, p.dtype, None))
 
 
 def undecided(param: nn.Parameter) -> bool:
@@ -392,10 +424,13 @@ class _Recorder(TorchDispatchMode):
         self.unset: set[int] = set()  # storages allocated empty and not written since (real tensors)
         self.waiting: list[_Draw] = []  # draws on meta tensors not made yet, in construction order
         self.drawing = False  # making the waiting draws: their scratch ops pass straight through
+        self.paused = False  # inside built_whole_on_meta(): nothing is recorded
 
     def register(self, data: torch.Tensor, meta: nn.Parameter) -> None:
         defined = _storage(data) not in self.unset and data.is_contiguous()
-        record = Construction(data.device, data.dtype, data.detach() if defined and self.keep_values else None)
+        self.track(meta, Construction(data.device, data.dtype, data.detach() if defined and self.keep_values else None))
+
+    def track(self, meta: nn.Parameter, record: Construction) -> None:
         if not meta.is_contiguous() or meta.storage_offset() != 0:
             record.problem = record.layout_problem = "its storage is not laid out as one contiguous tensor"
         setattr(meta, CONSTRUCTION, record)
@@ -403,7 +438,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.drawing:
+        if self.drawing or self.paused:
             return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         random = torch.Tag.nondeterministic_seeded in func.tags
