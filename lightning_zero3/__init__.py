@@ -22,7 +22,7 @@ from .engine import (
 from .errors import UnsupportedPrecisionError, Zero3ConfigError
 from .fabric import Zero3FabricPrecision, Zero3FabricStrategy
 from .precision import Zero3Precision
-from .pretrained import PeerLoadError, load_pretrained
+from .pretrained import PeerLoadError, from_pretrained, load_pretrained
 from .registration import register_strategies
 from .strategy import Zero3Strategy
 
@@ -48,6 +48,7 @@ __all__ = [
     "Zero3Strategy",
     "close_process_groups",
     "engine_of",
+    "from_pretrained",
     "gathered_parameters",
     "load_pretrained",
     "save_full_weights",
