@@ -1,8 +1,9 @@
 """Fine-tuning a pretrained Hugging Face model under zero3: the LightningModule of the fine-tuning jobs
 (``examples/configs/finetune_full.yaml``, ``finetune_lora.yaml``).
 
-``configure_model`` builds the model from its config (on the meta device under zero3) and loads the
-checkpoint with ``lightning_zero3.load_pretrained``: each rank reads only the bytes of its own shards.
+``configure_model`` builds and loads the model with ``lightning_zero3.from_pretrained``: under zero3 on the
+meta device, each rank reading only the bytes of its own shards and drawing no random number for them;
+under another strategy it is transformers' ``from_pretrained``.
 With ``lora`` set, peft's LoRA adapters wrap the model (the base frozen, the adapters trained). When
 ``fit`` ends the model is exported as a Hugging Face directory (``export_dir/model``: the adapters
 merged into the base weights for LoRA), and a LoRA run also saves peft's adapter files with peft's own
@@ -216,12 +217,10 @@ class CausalLMFineTune(pl.LightningModule):
 
     def pretrained(self, auto_class) -> torch.nn.Module:
         """``auto_class``'s model for the checkpoint, its weights read in, activation checkpointing as set.
-        Under zero3 this runs on the meta device: the weights are read straight into the shards. fp32
-        masters whatever the checkpoint's dtype (the `precision` flag decides what computes)."""
-        from transformers import AutoConfig
-
-        model = auto_class.from_config(AutoConfig.from_pretrained(self.checkpoint), dtype=torch.float32)
-        model = lightning_zero3.load_pretrained(model, self.checkpoint)
+        Under zero3 it is built on the meta device and the weights are read straight into the shards, with
+        no random number drawn for them; under another strategy it is ``from_pretrained``. fp32 masters
+        whatever the checkpoint's dtype (the `precision` flag decides what computes)."""
+        model = lightning_zero3.from_pretrained(auto_class, self.checkpoint, dtype=torch.float32)
         if self.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model

@@ -6,7 +6,6 @@ and ``Fabric(strategy="zero3")`` work.
 """
 
 from .checkpoint import CheckpointError, CheckpointMismatchError
-from .export.full_weights import save_full_weights
 from .config.settings import Zero3Config
 from .engine import (
     ExecutionOrderError,
@@ -20,11 +19,12 @@ from .engine import (
     unshard,
 )
 from .errors import UnsupportedPrecisionError, Zero3ConfigError
+from .export.full_weights import save_full_weights
 from .frontends.fabric.strategy import Zero3FabricPrecision, Zero3FabricStrategy
-from .frontends.trainer.precision import Zero3Precision
-from .pretrained import PeerLoadError, load_pretrained
 from .frontends.registration import register_strategies
+from .frontends.trainer.precision import Zero3Precision
 from .frontends.trainer.strategy import Zero3Strategy
+from .pretrained import PeerLoadError, from_pretrained, load_pretrained
 
 __version__ = "0.1.0"
 
@@ -48,6 +48,7 @@ __all__ = [
     "Zero3Strategy",
     "close_process_groups",
     "engine_of",
+    "from_pretrained",
     "gathered_parameters",
     "load_pretrained",
     "save_full_weights",

@@ -5,19 +5,26 @@ Question: How fast does a pretrained checkpoint load into zero3's shards, agains
     python examples/benchmarks/benchmark_load.py                 # ~1B-parameter Llama, bf16 files, 4 ranks, 3 runs
     python examples/benchmarks/benchmark_load.py --quick         # a small model, 1 run (what the test runs)
     python examples/benchmarks/benchmark_load.py --family mixtral --quick   # a Mixtral (per-expert files)
+    python examples/benchmarks/benchmark_load.py --family llava_next --quick   # a LLaVA-Next (Hub prefixes)
 
 One checkpoint (``save_pretrained``: bf16 safetensors split into several files with an index, written
 once under ``--dir``) is loaded into a model sharded over ``--ranks`` CPU processes with fp32 masters by:
 
-  zero3            the model built from its config on the meta device, ``lightning_zero3.load_pretrained``,
-                   then ``Zero3Engine``: each rank copies only the byte ranges of its own shards
+  zero3            the model built from its config on the meta device and ``lightning_zero3.load_pretrained``
+                   in the same block (as ``configure_model`` does), then ``Zero3Engine``: no random number
+                   is drawn for the checkpoint's tensors, each rank copies only the byte ranges of its shards
+  zero3_drawn      the same with ``load_pretrained`` called after the block that builds the model: the
+                   build has drawn an eager build's initialisation on every rank first (what the recipe's
+                   route cost before the draws waited for the load)
   init_then_zero3  ``from_pretrained`` on every rank (what works in ``__init__``), then ``Zero3Engine``
   fsdp2            FSDP2 (``fully_shard`` per decoder layer and the root, on the meta device), rank 0
                    reads the whole checkpoint and ``set_model_state_dict(..., full_state_dict=True,
                    broadcast_from_rank0=True)`` sends each tensor out: what Lightning's
                    ``ModelParallelStrategy`` users run (its strategy applies the same ``fully_shard`` calls)
   deepspeed        DeepSpeed ZeRO-3's Hugging Face path: ``HfDeepSpeedConfig`` then ``from_pretrained``
-                   (``zero.Init``: rank 0 reads, every module gathered and scattered)
+                   (``zero.Init`` with ``no_init_weights``: rank 0 reads, every module gathered and
+                   scattered), then ``deepspeed.initialize`` (``pip install deepspeed`` with ``DS_BUILD_OPS=0``
+                   on a host without CUDA)
 
 Before each load the checkpoint's pages are dropped from the page cache (``POSIX_FADV_DONTNEED`` on its
 files: nothing else on the machine is touched), so every row reads the disk. Per rank: the load's wall
@@ -25,12 +32,13 @@ time (from a barrier to a barrier), the peak growth of anonymous memory (``RssAn
 the process's own memory; pages of a mapped file are the page cache's and are not counted) and of the
 whole resident set (``VmRSS``), bytes read from the disk (``read_bytes`` of ``/proc/self/io``), and the
 bytes the rank then holds as parameter (and gradient) shards. zero3's time includes building the model as
-``configure_model`` does (``of it, build s``), which draws the numbers of an eager build's initialisation
-on scratch memory on every rank, so a seeded run starts where DDP's does: on the host here (on a GPU, on
-the device). The bound is the disk's own read speed,
+``configure_model`` does (``of it, build s``; ``zero3_drawn``'s build draws the initialisation, on the
+host here). The bound is the disk's own read speed,
 measured in the same run: the checkpoint's files read cold with ``O_DIRECT`` by ``--ranks`` threads.
 ``--family mixtral``: the same for a Mixtral checkpoint (``--experts`` per layer, the Hub's per-expert
 ``w1`` / ``w2`` / ``w3`` files that zero3 reads by range into the model's fused experts; no FSDP2 row).
+``--family llava_next``: a LLaVA-Next whose language model has the Llama shape given and a small CLIP
+tower, saved with the Hub's names (``language_model.model...``) that transformers renames on load.
 Every row's model must give the same loss on one batch (the ``check`` column: difference from zero3's).
 Rows are medians over ``--runs``, after one unmeasured load per row of the small checkpoint (the
 program's own files are then in the page cache, as they are after any first run: see ``warm_up``).
@@ -53,7 +61,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from processes import close_process_group, exit_note, read_result, run_worker  # noqa: E402
 
-METHODS = ("zero3", "init_then_zero3", "fsdp2", "deepspeed")
+METHODS = ("zero3", "zero3_drawn", "init_then_zero3", "fsdp2", "deepspeed")
+FAMILIES = {"llama": "AutoModelForCausalLM", "mixtral": "AutoModelForCausalLM", "llava_next": "AutoModelForImageTextToText"}
 
 
 def llama_shape(args) -> dict:
@@ -70,20 +79,33 @@ def make_checkpoint(args) -> Path:
     shape = llama_shape(args)
     if args.family == "mixtral":  # the Hub's layout: one w1 / w2 / w3 per expert, fused by the load
         shape.update(num_local_experts=args.experts, num_experts_per_tok=2)
-    name = {"llama": "Llama", "mixtral": "Mixtral"}[args.family]
     out = Path(args.dir) / f"{args.family}-{shape['num_hidden_layers']}x{shape['hidden_size']}"
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**shape))
+        model = _family_model(args.family, shape)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-        model.model.rotary_emb.inv_freq.copy_(model.model.rotary_emb.original_inv_freq)
+        for rotary in (m for m in model.modules() if hasattr(m, "original_inv_freq")):
+            rotary.inv_freq.copy_(rotary.original_inv_freq)
     model.to(torch.bfloat16).save_pretrained(out, max_shard_size=args.shard_size)
     return out
+
+
+def _family_model(family: str, shape: dict):
+    import transformers as T
+
+    if family == "llava_next":  # a small CLIP tower before the language model (the Hub's names on save)
+        vision = T.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    image_size=32, patch_size=8)  # fmt: skip
+        config = T.LlavaNextConfig(vision_config=vision, text_config=T.LlamaConfig(**shape),
+                                   image_grid_pinpoints=[[32, 32]], image_token_index=shape["vocab_size"] - 1)  # fmt: skip
+        return T.LlavaNextForConditionalGeneration(config)
+    name = {"llama": "Llama", "mixtral": "Mixtral"}[family]
+    return getattr(T, f"{name}ForCausalLM")(getattr(T, f"{name}Config")(**shape))
 
 
 def checkpoint_files(checkpoint: Path) -> list[Path]:
@@ -183,37 +205,54 @@ def read_bytes() -> int:
 PHASES: dict[str, float] = {}  # when a row's model was built (zero3's: the rest of its time is the load)
 
 
-def _load_zero3(checkpoint: Path, world: int):
+def _auto_class(family: str):
+    import transformers
+
+    return getattr(transformers, FAMILIES[family])
+
+
+def _load_zero3(checkpoint: Path, family: str, drawn: bool = False):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     import lightning_zero3
     from lightning_zero3.engine.layout.materialize import parameters_on_meta
 
     with parameters_on_meta():  # what configure_model runs in under zero3
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)
-    PHASES["built"] = time.perf_counter()  # the build draws eager's init on scratch, on every rank
-    lightning_zero3.load_pretrained(model, checkpoint)
+        model = _auto_class(family).from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32)
+        PHASES["built"] = time.perf_counter()
+        if not drawn:  # claimed in the block: nothing is drawn for the checkpoint's tensors
+            lightning_zero3.load_pretrained(model, checkpoint)
+    if drawn:  # the block has ended: its draws were made, on every rank
+        PHASES["built"] = time.perf_counter()
+        lightning_zero3.load_pretrained(model, checkpoint)
     engine = lightning_zero3.Zero3Engine(model, lightning_zero3.Zero3Config(tune_collectives=False), device=torch.device("cpu"))
     return model, engine
 
 
-def _load_init_then_zero3(checkpoint: Path, world: int):
+def _load_zero3_drawn(checkpoint: Path, family: str):
+    return _load_zero3(checkpoint, family, drawn=True)
+
+
+def _load_init_then_zero3(checkpoint: Path, family: str):
     import torch
-    from transformers import AutoModelForCausalLM
 
     import lightning_zero3
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = _auto_class(family).from_pretrained(checkpoint, dtype=torch.float32)
     engine = lightning_zero3.Zero3Engine(model, lightning_zero3.Zero3Config(tune_collectives=False))
     return model, engine
 
 
-def _load_fsdp2(checkpoint: Path, world: int):
+def _load_fsdp2(checkpoint: Path, family: str):
+    model = fsdp2_build(checkpoint)
+    fsdp2_broadcast(model, checkpoint)
+    return model, None
+
+
+def fsdp2_build(checkpoint: Path):
+    """A Llama built on the meta device, ``fully_shard`` per decoder layer and the root, then given memory."""
     import torch
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -225,36 +264,45 @@ def _load_fsdp2(checkpoint: Path, world: int):
     model.to_empty(device="cpu")
     rotary = model.model.rotary_emb
     model._init_weights(rotary)  # a buffer, not in the checkpoint: computed again after to_empty
+    return model
+
+
+def fsdp2_broadcast(model, checkpoint: Path) -> None:
+    """Rank 0 reads the whole checkpoint, ``set_model_state_dict`` broadcasts each tensor into the shards."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     full = {}
     if dist.get_rank() == 0:
         for file in checkpoint_files(checkpoint):
             full.update(load_file(file))
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
-    return model, None
 
 
-def _load_deepspeed(checkpoint: Path, world: int):
+def _load_deepspeed(checkpoint: Path, family: str):
     import deepspeed
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": False}}
     keep = HfDeepSpeedConfig(config)  # noqa: F841 - must be alive while from_pretrained runs
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = _auto_class(family).from_pretrained(checkpoint, dtype=torch.float32)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=[p for p in model.parameters()])
     return engine.module, engine
 
 
-def _held_bytes(method: str, model, engine) -> int:
-    """Bytes of parameter shards (and gradient shards, for zero3) this rank holds after the load."""
+def _held_bytes(method: str, model, engine) -> tuple[int, int]:
+    """Bytes of parameter shards this rank holds after the load, and of those and gradient shards (zero3)."""
     if method.startswith("zero3") or method == "init_then_zero3":
         report = engine.memory_report()
-        return report["param_shards"] + report["grad_shards"] + report["persistent_params"]
+        params = report["param_shards"] + report["persistent_params"]
+        return params, params + report["grad_shards"]
     if method == "fsdp2":
-        return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+        held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    else:
+        held = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+    return held, held
 
 
 def _loss_check(method: str, model, engine, vocab: int) -> float:
@@ -284,16 +332,19 @@ def worker(args) -> None:
 
     import lightning_zero3  # noqa: F401
 
+    import transformers.models.llava_next.modeling_llava_next  # noqa: F401
+
     checkpoint = Path(args.checkpoint)
     load = globals()[f"_load_{args.worker}"]
     dist.barrier()
     sampler, io_before = Sampler(), read_bytes()
     start = time.perf_counter()
-    model, engine = load(checkpoint, dist.get_world_size())
+    model, engine = load(checkpoint, args.family)
     dist.barrier()
     seconds = time.perf_counter() - start
+    param_bytes, held_bytes = _held_bytes(args.worker, model, engine)
     figures = {"seconds": seconds, "read_bytes": read_bytes() - io_before, **sampler.stop(),
-               "held_bytes": _held_bytes(args.worker, model, engine)}  # fmt: skip
+               "held_bytes": held_bytes, "param_bytes": param_bytes}  # fmt: skip
     if "built" in PHASES:
         figures["build_seconds"] = PHASES["built"] - start
     if args.worker.startswith("zero3"):  # parameters under persistence_threshold: whole on every rank
@@ -315,14 +366,14 @@ def run_method(method: str, checkpoint: Path, args) -> dict | str:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         worker_args = [__file__, "--worker", method, "--checkpoint", str(checkpoint), "--result", str(result),
-                       "--vocab", str(args.vocab)]  # fmt: skip
+                       "--vocab", str(args.vocab), "--family", args.family]  # fmt: skip
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
         code, output = run_worker(worker_args, env, timeout=args.timeout, ranks=args.ranks)
         # a peer's row that wrote its result (all ranks done) and then aborted at exit still measured its
         # load; the exit is shown. Every worker closes its groups as zero3 does (``close_process_group``):
         # 0 aborts in 30 quick FSDP2 and 20 init_then_zero3 runs, against 2 in 13 and 1 in 9 before; zero3's
         # own row must exit cleanly (1 abort in 40 before, 0 in 60)
-        outcome = read_result(result, code, output, exit_may_fail=method != "zero3")
+        outcome = read_result(result, code, output, exit_may_fail=not method.startswith("zero3"))
     if isinstance(outcome, dict):
         return {"ranks": outcome["ranks"], "exit": exit_note(outcome)}
     return outcome
@@ -361,9 +412,9 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
         + ", ".join(f"{d['read_GBps']:.2f}" for d in disk) + f"); bound = checkpoint / disk = {bound:.2f} s",
         "",
         "method          | load s | of it, build s | x bound | x zero3 | read GB (sum, x ckpt) | RssAnon growth GiB/rank (max) | "
-        "VmRSS growth GiB/rank (max) | held GiB/rank | anon / (held + largest) | check",
+        "VmRSS growth GiB/rank (max) | held GiB/rank | anon / param shards | check",
         "----------------+--------+----------------+---------+---------+-----------------------+-------------------------------+"
-        "-----------------------------+---------------+-------------------------+------",
+        "-----------------------------+---------------+---------------------+------",
     ]
     medians = {}
     for method, runs in rows.items():
@@ -380,6 +431,7 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
             "anon": med(lambda ranks: max(r["RssAnon_growth"] for r in ranks)),
             "rss": med(lambda ranks: max(r["VmRSS_growth"] for r in ranks)),
             "held": med(lambda ranks: max(r["held_bytes"] for r in ranks)),
+            "anon_ratio": med(lambda ranks: max(r["RssAnon_growth"] / r["param_bytes"] for r in ranks)),
             "loss": per_run[0][0]["loss"],
         }
     base = medians.get("zero3")
@@ -390,24 +442,29 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
             f"{method:<15} | {m['seconds']:6.2f} | {m['build']:14.2f} | {m['seconds'] / bound:7.2f} | {versus:>7} | "
             f"{m['read'] / 1e9:8.2f} ({m['read'] / checkpoint_bytes:4.2f}x)       | {m['anon'] / 2**30:29.2f} | "
             f"{m['rss'] / 2**30:27.2f} | {m['held'] / 2**30:13.2f} | "
-            f"{m['anon'] / (m['held'] + args.largest):23.2f} | {check}"
+            f"{m['anon_ratio']:19.2f} | {check}"
         )
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "zero3-load-benchmark"))
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Ranks, runs and the Llama's shape (a ~1B model by default), as ``benchmark_startup.py`` takes them too."""
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "zero3-load-benchmark"))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    add_run_arguments(parser)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--family", choices=("llama", "mixtral"), default="llama", help="the checkpoint's model")
+    parser.add_argument("--family", choices=tuple(FAMILIES), default="llama", help="the checkpoint's model")
     parser.add_argument("--experts", type=int, default=8, help="Mixtral's experts per layer")
     parser.add_argument("--shard-size", default="500MB", help="save_pretrained's max_shard_size")
     parser.add_argument("--quick", action="store_true", help="a small model and one run")
@@ -433,16 +490,14 @@ def main() -> None:
         with safe_open(file, "pt") as f:
             sizes += [f.get_slice(k).get_shape() for k in f.keys()]
     args.params = sum(int(__import__("math").prod(s)) for s in sizes)
-    args.largest = max(int(__import__("math").prod(s)) for s in sizes) * 4  # the largest tensor, in fp32
-    if args.family == "mixtral":  # the model's largest is a fused one: experts.gate_up_proj
-        args.largest = max(args.largest, args.experts * 2 * args.intermediate * args.hidden * 4)
     args.files = len(files)
     checkpoint_bytes = sum(f.stat().st_size for f in files)
     methods = [m for m in args.methods.split(",") if m]
-    if args.family == "mixtral" and "fsdp2" in methods:  # set_model_state_dict takes the model's own names
+    if args.family != "llama" and "fsdp2" in methods:  # set_model_state_dict takes the model's own names
         methods.remove("fsdp2")
         print("fsdp2 left out: its row loads the checkpoint's names as they are, and a Mixtral checkpoint holds "
-              "one w1 / w2 / w3 per expert where the model has fused experts.gate_up_proj / down_proj", flush=True)
+              "one w1 / w2 / w3 per expert where the model has fused experts.gate_up_proj / down_proj, a "
+              "LLaVA-Next one the Hub's prefixes (language_model.model...) that transformers renames", flush=True)
     rows: dict[str, list] = {m: [] for m in methods}
     disk = []
     touch_memory(args.warm_gb)

@@ -56,11 +56,17 @@ benchmarks run alone. One process keeps every unit gathered by default, so the c
   and ``single`` alone, three runs each in turn, and ``target 85M``: the world-size-1 bound (1.25x) in
   six processes instead of the benchmark part's eight, for a GPU run that has time for little else.
 
+- ``startup <strategy>`` (only with ``--parts startup``): ``examples/benchmarks/benchmark_startup.py`` on
+  this GPU: the fine-tuning job (``finetune_full.yaml``, fp32) on a generated ~1B Llama checkpoint from the
+  command's start to the end of its first optimizer step, under zero3, DDP (``from_pretrained``), FSDP2 and
+  DeepSpeed stage 3, with the time of each phase (launch, build, read, setup, first step); ``startup
+  zero3 x ddp``: zero3's time to the first step against DDP's.
+
 - ``profile <model> <strategy>`` (only with ``--parts profile``): ``examples/benchmarks/device_profile.py`` on the 85M
   GPT (zero3, DDP, single) and the 1B one (zero3, single): per step, the device's busy and idle time, the
   host's waits for it and the costliest kernels.
 
-``--parts`` runs a subset (``checks``, ``big``, ``benchmark``, ``target``, ``profile``; default the first three) in the
+``--parts`` runs a subset (``checks``, ``big``, ``benchmark``, ``target``, ``profile``, ``startup``; default the first three) in the
 order given, for a GPU run too short for all; each part's rows are printed (and ``--json``
 rewritten) as soon as the part ends, so a run cut short still reports what it measured.
 
@@ -135,10 +141,12 @@ BIG = {"cuda": ["--n-layer", "20", "--n-embd", "2048", "--n-head", "16", "--bloc
 BIG_STRATEGIES = ("zero3", "single", "fsdp2")
 #: zero3's step at world size 1 against plain single-device Lightning's, at most (the project's targets)
 TARGET_X_SINGLE = {"benchmark": 1.25, "1B": 1.10}
-PARTS = ("checks", "big", "benchmark", "target", "profile")
+PARTS = ("checks", "big", "benchmark", "target", "profile", "startup")
 # asked for by name: the profile (5 more runs, not yet timed on a GPU), and the target part (what the
 # benchmark part measures too, alone, for a short GPU run)
 DEFAULT_PARTS = ("checks", "big", "benchmark")
+#: the startup part: examples/benchmarks/benchmark_startup.py at one device (a ~1B Llama on the GPU)
+STARTUP = {"cuda": ["--ranks", "1", "--runs", "1"], "cpu": ["--quick", "--ranks", "1"]}
 #: the profile part: examples/benchmarks/device_profile.py at one device, per model, the strategies it compares
 PROFILES = {"85M": (BENCHMARK, ("zero3", "ddp", "single")), "1B": (BIG, ("zero3", "single"))}
 
@@ -345,6 +353,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 new = big_benchmark(args.accelerator, Path(tmp))
             elif part == "target":
                 new = target(args.accelerator, Path(tmp))
+            elif part == "startup":
+                new = startup(args.accelerator, Path(tmp))
             else:
                 new = device_profiles(args.accelerator, Path(tmp))
             rows += new
@@ -537,6 +547,38 @@ def timed_rows(label: str, options: list[str], strategies: tuple[str, ...], acce
         return [header]
     rows = benchmark_rows(summary, params, peak_flops(accelerator)[0], strategies, label, reference)
     return [header, *rows, target_row(summary, label, TARGET_X_SINGLE[target_of or label])]
+
+
+def startup(accelerator: str, tmp: Path) -> list[Row]:
+    """``examples/benchmarks/benchmark_startup.py`` at one device: per strategy, the time from the command's
+    start to the end of the fine-tune's first optimizer step and its phases (INFO rows)."""
+    out = tmp / "startup.json"
+    cmd = [sys.executable, str(HERE / "benchmark_startup.py"), "--accelerator", accelerator, "--json", str(out),
+           "--dir", str(tmp / "startup"), *STARTUP[accelerator]]  # fmt: skip
+    failed = run_child("startup", cmd, BENCHMARK_TIMEOUT_S, cwd=tmp)
+    if failed or not out.exists():
+        return [Row("startup", "FAIL", failed or "exit 0 without a result")]
+    return startup_rows(json.loads(out.read_text()))
+
+
+def startup_rows(result: dict) -> list[Row]:
+    """The rows of a ``benchmark_startup.py`` result: its header, one per strategy, zero3 against DDP."""
+    from benchmark_startup import PHASES, phases
+
+    table = result["table"]
+    rows, totals = [Row("startup", "INFO", table[0])], {}
+    for strategy, runs in result["rows"].items():
+        good = [phases(r["ranks"]) for r in runs if isinstance(r, dict)]
+        if not good:
+            rows.append(Row(f"startup {strategy}", "FAIL" if strategy == "zero3" else "INFO", runs[-1][:300]))
+            continue
+        figures = good[0]
+        totals[strategy] = figures["total"]
+        detail = ", ".join(f"{p} {figures[p]:.2f} s" for p in PHASES)
+        rows.append(Row(f"startup {strategy}", "INFO", f"{figures['total']:.2f} s to the first step ({detail})"))
+    if "zero3" in totals and "ddp" in totals:
+        rows.append(Row("startup zero3 x ddp", "INFO", f"{totals['zero3'] / totals['ddp']:.2f}x DDP's time to the first step"))
+    return rows
 
 
 def device_profiles(accelerator: str, tmp: Path) -> list[Row]:

@@ -13,6 +13,7 @@ overwritten in place).
 Imports: ``engine``, ``checkpoint`` (its errors) and ``errors``; never Lightning.
 """
 
+from .build import from_pretrained
 from .load import PeerLoadError, load_pretrained
 
-__all__ = ["PeerLoadError", "load_pretrained"]
+__all__ = ["PeerLoadError", "from_pretrained", "load_pretrained"]

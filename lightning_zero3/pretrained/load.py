@@ -4,7 +4,10 @@ Where it is called decides what it does, and the result is the same model:
 - on a model built on the meta device (``configure_model`` under zero3, or ``init_module(empty_init=True)``):
   the checkpoint is checked now and its tensors are left on the model; the engine that shards it
   builds the units from them without initialising or broadcasting anything, each rank copying only
-  the byte ranges of its own shards (see [Note: loading straight into shards] in engine/layout/sources.py);
+  the byte ranges of its own shards (see [Note: loading straight into shards] in engine/layout/sources.py).
+  Called inside the block that builds the model, no random number is drawn for what the checkpoint
+  holds, and what it lacks gets what ``from_pretrained`` gives it ([Note: draws wait for a load] in
+  engine/layout/materialize.py);
 - on a model zero3 has sharded already (after ``fit``, in a hook): each rank copies its pieces into its
   shards now;
 - on an ordinary model (DDP, one device, ``__init__``): the tensors are copied in whole, so the same
@@ -28,10 +31,11 @@ from torch import nn
 from ..checkpoint.atomic import CheckpointError
 from ..engine.engine import Zero3Engine, owning_engine
 from ..engine.layout import sources
-from ..engine.layout.materialize import has_meta_tensors
+from ..engine.layout.materialize import drawn_elements, has_meta_tensors
 from ..engine.layout.sources import PendingValues, read_whole
 from ..engine.state.loading import load_sources
 from .matching import KeyMap, match
+from .missing import loaded_as_from_pretrained
 from .tensor_files import open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -62,7 +66,9 @@ def load_pretrained(
     ``strict``: every tensor of the model must be found and every kept checkpoint name must be the
     model's; with ``strict=False`` what is missing keeps its initial values (logged). Shapes must agree.
 
-    Call it on every rank (each reads its own part). Under zero3, in ``configure_model``::
+    Call it on every rank (each reads its own part). Under zero3, in ``configure_model`` (where nothing is
+    then drawn for the checkpoint's tensors; for a Hugging Face model ``from_pretrained(AutoModel..., path)``
+    does both in one call)::
 
         config = AutoConfig.from_pretrained(path)
         self.model = load_pretrained(AutoModelForCausalLM.from_config(config), path)
@@ -78,21 +84,38 @@ def load_pretrained(
         error = failure
     _agree(error, engine)
     if missing:
-        log.warning("zero3: load_pretrained(%s): %d tensors are not in the checkpoint and keep their initial "
-                    "values: %s", path, len(missing), missing[:8])  # fmt: skip
+        log.warning("zero3: load_pretrained(%s): %d tensors are not in the checkpoint and keep the model's own "
+                    "initialisation: %s", path, len(missing), missing[:8])  # fmt: skip
     if engine is not None:
         try:
             load_sources(engine, values)
         finally:
             checkpoint.close()
     elif has_meta_tensors(module):
-        sources.attach(module, values)  # read by the engine that shards it (the checkpoint stays open)
+        _warn_if_drawn(module, values, path)
+        with loaded_as_from_pretrained(module, values.params.keys(), values.buffers.keys(), checkpoint.adapter):
+            sources.attach(module, values)  # read by the engine that shards it (the checkpoint stays open)
     else:
         try:
             _copy_whole(module, values)
         finally:
             checkpoint.close()
     return module
+
+
+def _warn_if_drawn(module: nn.Module, values: PendingValues, path) -> None:
+    """The model's construction drew random numbers for tensors this checkpoint overwrites: it was built
+    before the load was known (see [Note: draws wait for a load] in engine/layout/materialize.py)."""
+    loaded = [p for p in module.parameters() if id(p) in values.params]
+    drawn = drawn_elements(loaded)
+    if drawn:
+        log.warning(
+            "zero3: load_pretrained(%s): building this model drew %d random numbers on every rank for tensors "
+            "the checkpoint overwrites. Build and load it in one call, `lightning_zero3.from_pretrained("
+            "AutoModel..., path)`, or call load_pretrained inside the block that builds it (`configure_model`, "
+            "`with fabric.init_module(empty_init=True):`, `with trainer.init_module(empty_init=True):`), and "
+            "those draws are skipped.", path, drawn,
+        )  # fmt: skip
 
 
 def _copy_whole(module: nn.Module, values: PendingValues) -> None:

@@ -143,22 +143,22 @@ def lora_config():
 
 def _lora_case(rank: int, path: Path) -> dict:
     """New LoRA adapters on a sliced Mixtral under zero3. Built as ``configure_model`` builds them (inside
-    ``parameters_on_meta()``, the base read by ``load_pretrained``), they hold the numbers peft draws in an
-    eager build with the same seed, and train with DDP's losses. Built under a plain ``torch.device("meta")``
+    ``parameters_on_meta()``, the base read by ``load_pretrained``), they hold the numbers peft draws after
+    ``from_pretrained`` with the same seed (the base's construction draws nothing, [Note: draws wait for a
+    load]), the generator is where DDP's is after them, and they train with DDP's losses. Built under a plain ``torch.device("meta")``
     (nothing recorded), each half gets peft's rule as its unit is built, though the two halves of an
     adapter fall in different units (``SMALL_UNITS``): ``lora_B`` zero, ``lora_A`` drawn."""
     from peft import get_peft_model
 
     config = T.AutoConfig.from_pretrained(path)
-    pretrained = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     torch.manual_seed(1)
-    whole = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    whole.load_state_dict(pretrained)
-    whole = get_peft_model(whole, lora_config())
+    whole = get_peft_model(T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora_config())
+    rand_ddp = torch.rand(4)
     torch.manual_seed(1)
     with parameters_on_meta():
         model = get_peft_model(load_pretrained(T.AutoModelForCausalLM.from_config(config, dtype=torch.float32), path),
                                lora_config())  # fmt: skip
+    rand_zero3 = torch.rand(4)
     engine = Zero3Engine(model, SMALL_UNITS, device=torch.device("cpu"))
     full = engine.full_state_dict()
     adapters = {k: v.clone() for k, v in whole.state_dict().items() if "lora_" in k}
@@ -178,6 +178,7 @@ def _lora_case(rank: int, path: Path) -> dict:
     plain_adapters = {k: v for k, v in plain_engine.full_state_dict().items() if "lora_" in k}
     plain_engine.close()
     return {"losses": losses, "adapters": sorted(adapters), "missing": sorted(missing), "moved": moved,
+            "rand": (rand_zero3, rand_ddp),
             "plain": {k: (v.abs().sum().item(), v.shape == adapters[k].shape) for k, v in plain_adapters.items()}}  # fmt: skip
 
 
@@ -214,6 +215,7 @@ def test_new_lora_adapters_on_the_sliced_mixtrals_attention_and_fused_experts_tr
         assert lora["missing"] == [], lora["missing"][:5]
         assert any("experts" in k for k in lora["adapters"]) and any("q_proj" in k for k in lora["adapters"])
         assert set(lora["moved"]) == set(lora["adapters"])  # every adapter trained
+        assert torch.equal(*lora["rand"]), rank  # the generator after the build is DDP's after from_pretrained + peft
         for ddp, zero3 in lora["losses"]:
             assert zero3 == pytest.approx(ddp, rel=1e-6)
         assert set(lora["plain"]) == set(lora["adapters"]) and all(same for _, same in lora["plain"].values())

@@ -20,6 +20,7 @@ from lightning_zero3 import (  # noqa: E402
     PeerLoadError,
     Zero3Config,
     Zero3Engine,
+    from_pretrained,
     load_pretrained,
 )  # fmt: skip
 from lightning_zero3.engine.layout import sources  # noqa: E402
@@ -156,6 +157,42 @@ def test_an_ordinary_model_loads_whole_and_strict_false_keeps_what_is_missing(ch
     back = load_pretrained(transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)), tmp_path / "renamed.pt",
                            key_map=lambda name: name.replace("feed_forward.", "mlp."))  # fmt: skip
     assert torch.equal(_logits(back), _logits(model))
+
+
+@pytest.mark.parametrize("route", ["from_pretrained", "from_config + load_pretrained"])
+def test_a_load_where_the_model_is_built_draws_only_what_from_pretrained_draws(route, checkpoints, tmp_path):
+    """[Note: draws wait for a load]: loaded inside the block that builds it (as ``configure_model``), a
+    model gets ``from_pretrained``'s weights and leaves the generator where ``from_pretrained`` does: nothing
+    drawn for a complete checkpoint; for one without ``lm_head``, ``from_pretrained``'s init of that alone."""
+    from safetensors.torch import save_file
+
+    untied = _save(tmp_path / "untied", seed=2, tie_word_embeddings=False)
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    shutil.copy(untied / "config.json", headless)
+    weights = transformers.AutoModelForCausalLM.from_pretrained(untied).state_dict()
+    save_file({k: v.contiguous() for k, v in weights.items() if not k.startswith("lm_head")}, headless / "model.safetensors")
+    for path in (untied, headless):
+        torch.manual_seed(0)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        after_reference = torch.rand(4)
+        torch.manual_seed(0)
+        with parameters_on_meta():  # what configure_model runs in under zero3
+            if route == "from_pretrained":
+                model = from_pretrained(transformers.AutoModelForCausalLM, path, dtype=torch.float32)
+            else:
+                model = load_pretrained(_meta_free_model(path), path, strict=False)
+        assert torch.equal(torch.rand(4), after_reference), path.name
+        Zero3Engine(model, SMALL_UNITS, device=torch.device("cpu"))
+        assert torch.equal(_logits(model), _logits(reference)), path.name
+    outside = from_pretrained(transformers.AutoModelForCausalLM, untied, dtype=torch.float32)  # not under zero3
+    assert type(outside) is type(reference) and torch.equal(_logits(outside), _reference_logits(untied))
+
+
+def _meta_free_model(directory: Path) -> torch.nn.Module:
+    """``from_config`` as a recipe calls it (inside ``parameters_on_meta()`` its parameters go to meta)."""
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory),
+                                                         dtype=torch.float32)  # fmt: skip
 
 
 def _broken(kind: str, checkpoints: dict, tmp: Path) -> tuple[Path, dict]:

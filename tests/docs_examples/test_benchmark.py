@@ -56,13 +56,14 @@ def test_a_failed_exit_fails_the_run_unless_the_worker_may_fail_at_exit(tmp_path
     assert outcome["tokens_per_s"] == 3.0 and outcome["exit"].startswith("exit -6 after its result was written")
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "llava_next"])
 def test_load_benchmark_quick_mode_loads_alike_and_reads_the_checkpoint_once(tmp_path, family):
     """``examples/benchmarks/benchmark_load.py --quick``: every row loads the same model (same loss), and zero3's ranks
-    each read only their part of the checkpoint (Mixtral's: per-expert files into fused experts, two rows)."""
+    each read only their part of the checkpoint (Mixtral's: per-expert files into fused experts; LLaVA-Next's:
+    the Hub's names renamed; two rows each)."""
     out = tmp_path / "load.json"
-    methods = "zero3,init_then_zero3,fsdp2" + (",deepspeed" if importlib.util.find_spec("deepspeed") else "")
-    if family == "mixtral":
+    methods = "zero3,zero3_drawn,init_then_zero3,fsdp2" + (",deepspeed" if importlib.util.find_spec("deepspeed") else "")
+    if family != "llama":
         methods = "zero3,init_then_zero3"
     cmd = [sys.executable, str(ROOT / "examples" / "benchmarks" / "benchmark_load.py"), "--quick", "--methods", methods,
            "--family", family, "--dir", str(tmp_path / "checkpoint"), "--json", str(out)]  # fmt: skip
@@ -89,6 +90,34 @@ def test_load_benchmark_quick_mode_loads_alike_and_reads_the_checkpoint_once(tmp
     once = checkpoint + (len(zero3) - 1) * replicated
     assert sum(r["read_bytes"] for r in zero3) <= 1.1 * once + 2**20 < len(zero3) * checkpoint
     assert "x bound" in done.stdout and "zero3" in done.stdout
+
+
+def test_startup_benchmark_quick_mode_times_every_phase_to_the_first_step(tmp_path):
+    """``examples/benchmarks/benchmark_startup.py --quick``: the fine-tuning job to its first optimizer step under
+    each strategy through ``lightning-zero3 fit``; every rank notes every phase, in order; zero3 reads the
+    checkpoint in engine setup, the peers in ``configure_model``; DeepSpeed's row says why it cannot run."""
+    out = tmp_path / "startup.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmarks" / "benchmark_startup.py"), "--quick", "--dir",
+           str(tmp_path / "data"), "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    order = ("launched", "configure_start", "configure_end", "engine_ready", "first_batch", "first_step_end")
+    for strategy in ("zero3", "ddp", "fsdp2"):
+        (run,) = rows[strategy]
+        assert isinstance(run, dict), run
+        for rank in run["ranks"]:
+            marks = [rank[name] for name in order]
+            assert marks == sorted(marks) and marks[0] > 0, (strategy, rank)
+        reads = run["ranks"][0]
+        if strategy == "zero3":
+            assert reads["read_in_setup"] > 0 and reads["read_in_configure"] == 0
+        else:
+            assert reads["read_in_configure"] > 0 and reads["read_in_setup"] == 0
+    (deepspeed,) = rows["deepspeed"]
+    # Lightning's DeepSpeedStrategy needs CUDA GPUs (and the deepspeed package)
+    assert isinstance(deepspeed, str) and ("CUDA" in deepspeed or "DeepSpeed" in deepspeed), deepspeed
+    assert "first step" in done.stdout and "x zero3" in done.stdout
 
 
 def test_benchmark_compiles_every_block_of_the_lightning_rows(tmp_path):

@@ -258,3 +258,23 @@ def test_the_estimate_row_states_estimate_measured_and_ratio_and_is_skipped_with
     rows = gpu_check.verdicts({**{n: "not run" for n in (*gpu_check.CONCURRENT_WORKERS, "timing")},
                                "estimate": {"skipped": "skipped: needs CUDA"}})  # fmt: skip
     assert rows[-1] == Row("estimate", "INFO", "skipped: needs CUDA")
+
+
+def _startup_rank(total: float) -> dict:
+    return {"imported": 2.0, "launched": 3.0, "configure_start": 3.5, "configure_end": 4.0, "engine_ready": 5.0,
+            "first_batch": 5.5, "first_step_end": total, "read_in_configure": 0.1, "read_in_setup": 0.4}  # fmt: skip
+
+
+def test_the_startup_part_reports_each_phase_and_zero3_against_ddp():
+    result = {"table": ["time to the first step: ..."],
+              "rows": {"zero3": [{"ranks": [_startup_rank(6.0), _startup_rank(6.5)]}],
+                       "ddp": [{"ranks": [_startup_rank(13.0)]}],
+                       "deepspeed": ["failed: RuntimeError: ..."]}}  # fmt: skip
+    rows = gpu_check.startup_rows(result)
+    assert [row.check for row in rows] == ["startup", "startup zero3", "startup ddp", "startup deepspeed", "startup zero3 x ddp"]
+    assert rows[1].detail.startswith("6.50 s to the first step (launch 3.00 s, build 0.40 s, read 0.50 s, setup 0.60 s")
+    assert rows[3] == Row("startup deepspeed", "INFO", "failed: RuntimeError: ...")
+    assert rows[4].detail == "0.50x DDP's time to the first step"
+    failed = gpu_check.startup_rows({"table": ["t"], "rows": {"zero3": ["failed: no first step within 600 s"]}})
+    assert failed[1].status == "FAIL"
+    assert "startup" in gpu_check.PARTS and "startup" not in gpu_check.DEFAULT_PARTS

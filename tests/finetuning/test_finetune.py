@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "finetune_run.py"
-RUNS = ("full-zero3", "full-ddp", "lora-zero3", "lora-ddp")
+RUNS = ("full-zero3", "full-ddp", "lora-zero3", "lora-ddp", "adapter-zero3", "adapter-ddp")
 # as tests/frontends/test_parity.py: clipping's global norm is summed in another order than DDP's, which moves
 # weights by a few 1e-9 here (losses of the 4 steps agree bitwise)
 WEIGHT_ATOL = 5e-5
@@ -58,12 +58,24 @@ def test_the_full_fine_tune_trains_on_packs_of_several_rows(ranks):
         assert result["lora-zero3"]["items"] == [1] * 22 and result["lora-zero3"]["first_batch"]["rows"] == 2
 
 
-def test_zero3_losses_equal_ddps_from_the_same_weights(ranks):
+def test_zero3_losses_equal_ddps_from_pretrained(ranks):
+    """DDP loads with transformers' ``from_pretrained`` (and peft's ``get_peft_model`` for new adapters, its
+    loader for saved ones); zero3 runs the recipe (``lightning_zero3.from_pretrained``: built on the meta device,
+    read straight into the shards)."""
     for result in ranks:
-        for variant in ("full", "lora"):
+        for variant in ("full", "lora", "adapter"):
             zero3, ddp = result[f"{variant}-zero3"]["losses"], result[f"{variant}-ddp"]["losses"]
             assert len(zero3) == len(ddp) == 6
             assert zero3 == pytest.approx(ddp, rel=1e-6, abs=0), variant
+
+
+def test_the_generator_after_the_load_is_ddps_after_from_pretrained_on_every_rank(ranks):
+    """No random number is drawn for the tensors the checkpoint holds ([Note: draws wait for a load]): the
+    next ``torch.rand`` equals DDP's after ``from_pretrained``, also after peft drew new adapters."""
+    for result in ranks:
+        for variant in ("full", "lora", "adapter"):
+            assert result[f"{variant}-zero3"]["rand_after_load"] == result[f"{variant}-ddp"]["rand_after_load"], variant
+    assert ranks[0]["full-zero3"]["rand_after_load"] != ranks[0]["lora-zero3"]["rand_after_load"]  # peft drew
 
 
 def test_lora_trains_only_the_adapters_with_sharded_optimizer_state(ranks):

@@ -31,6 +31,11 @@ def test_zero3_losses_equal_ddps_on_image_conversations(ranks):
     assert ranks[0]["zero3"]["losses"] != ranks[1]["zero3"]["losses"]  # each rank trained on its own rows
 
 
+def test_the_generator_after_the_load_is_ddps_after_from_pretrained(ranks):
+    for result in ranks:
+        assert result["zero3"]["rand_after_load"] == result["ddp"]["rand_after_load"]
+
+
 def test_the_vision_tower_is_frozen_and_the_projector_and_language_model_train(ranks):
     for result in ranks:
         for run in ("zero3", "ddp"):

@@ -52,6 +52,13 @@ def test_fabric_zero3_losses_equal_fabric_ddps(ranks, case):
         assert zero3 == pytest.approx(ddp, rel=LOSS_RTOL, abs=0)
 
 
+def test_a_checkpoint_loaded_where_the_model_is_built_draws_nothing_as_from_pretrained(ranks):
+    """[Note: draws wait for a load]: ``load_pretrained`` inside ``init_module(empty_init=True)`` leaves every
+    rank's generator where DDP's ``from_pretrained`` leaves it."""
+    for result in ranks:
+        assert torch.equal(result["hub-zero3"]["rng_after_load"], result["hub-ddp"]["rng_after_load"])
+
+
 def test_a_seeded_empty_init_model_starts_from_fabric_ddps_weights(ranks):
     """[Note: eager construction replayed]: built on the meta device and initialised unit by unit, the model
     gets the very numbers DDP's eager build draws, and every rank's generator ends where DDP's does."""

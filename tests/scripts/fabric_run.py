@@ -10,8 +10,9 @@ Cases (every one run under both strategies from the same weights, except where s
            DDP ``empty_init=False``: its empty init leaves the weights unset): the weights it starts
            from, the generator's state after ``setup``, then 3 steps
   hub      a tiny Mixtral saved as the Hub has it (per-expert tensors); zero3 builds it under
-           ``init_module(empty_init=True)`` and ``load_pretrained`` reads each rank's slices into the fused
-           experts, DDP (``find_unused_parameters``) loads it with ``from_pretrained``; then 3 steps
+           ``init_module(empty_init=True)`` and ``load_pretrained`` (inside that block) reads each rank's
+           slices into the fused experts, DDP (``find_unused_parameters``) loads it with ``from_pretrained``;
+           the generator's state after the load, then 3 steps
   resume   zero3 only, per checkpoint format: 3 steps, ``fabric.save``, 3 more; then a new model and
            optimizer, ``fabric.load``, the same 3 steps again
 """
@@ -141,12 +142,14 @@ def run_hub(name: str, out: Path) -> dict:
     fabric.barrier()
     with safe_open(path / "model.safetensors", "pt") as file:
         per_expert = any(".experts.0.w1." in key for key in file.keys())
-    if name == "zero3":
+    fabric.seed_everything(3)
+    if name == "zero3":  # loaded where it is built: nothing is drawn for the checkpoint's tensors
         with fabric.init_module(empty_init=True):
             model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(path), dtype=torch.float32)
-        lightning_zero3.load_pretrained(model, path)
+            lightning_zero3.load_pretrained(model, path)
     else:
         model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    generator = torch.get_rng_state()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = fabric.setup(model, optimizer)
     losses = []
@@ -156,7 +159,7 @@ def run_hub(name: str, out: Path) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "per_expert_file": per_expert}
+    return {"losses": losses, "per_expert_file": per_expert, "rng_after_load": generator}
 
 
 def run_resume(fmt: str, out: Path) -> dict:

@@ -3,13 +3,16 @@ CPU processes, on a jsonl file of instruction, chat and text rows; each rank wri
 
   full-zero3, full-ddp, lora-zero3, lora-ddp   STEPS steps each from the same small checkpoint (bf16
         safetensors and a subword tokenizer, written by ``make_pretrained``), exported to ``OUT/<run>/``;
+        LoRA with new adapters (peft's init, seed 0); DDP loads with ``from_pretrained`` (reference_loads.py);
         the full runs on packed rows (``packing: true``), the LoRA runs in length-grouped batches.
+  adapter-zero3, adapter-ddp   LoRA from a saved adapter (``--model.init_args.lora.adapter``).
   interrupted   full under zero3 with max_steps STEPS, stopped after STEPS // 2 (mid-epoch), a sharded
         ``last.ckpt`` written there by ModelCheckpoint; resumed: the same job with ``--ckpt_path last``.
-Recorded per run: this rank's loss of every step, the loss of the pretrained model itself
-(``from_pretrained``) on the first batch, each row of it run alone and normalised as the module does (over
-the trained tokens of all ranks), and for zero3 which units train and how many optimizer-state elements this
-rank holds; and the checkpoint's files' digests before and after (the checkpoint given is never written to).
+Recorded per run: this rank's loss of every step, ``torch.rand`` right after the load, the loss of the
+pretrained model itself (``from_pretrained``) on the first batch, each row of it run alone and normalised as
+the module does (over the trained tokens of all ranks), and for zero3 which units train and how many
+optimizer-state elements this rank holds; and the checkpoint's files' digests before and after (the
+checkpoint given is never written to).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import lightning_zero3  # noqa: E402
 from examples.finetune import IGNORE, TinyLlama, make_pretrained  # noqa: E402
 from examples.finetune_assets import write_sample_data  # noqa: E402
 from lightning_zero3.cli import build_cli  # noqa: E402
+from reference_loads import from_pretrained_reference  # noqa: E402
 
 SHAPE = TinyLlama(hidden_size=64, intermediate_size=160, num_hidden_layers=3, max_position_embeddings=128)
 STEPS = 6  # resumed mid-epoch (5 batches an epoch), the 6th step in the second epoch
@@ -99,14 +103,19 @@ def pretrained_loss(checkpoint: Path, batch: dict) -> float:
 
 
 def run(variant: str, strategy: str, out: Path, checkpoint: Path, data: Path, adapter: Path) -> dict:
-    args = args_for(variant, strategy, out, checkpoint, data, f"{variant}-{strategy}", [])
-    if variant == "lora":
+    args = args_for("full" if variant == "full" else "lora", strategy, out, checkpoint, data, f"{variant}-{strategy}", [])
+    if variant == "adapter":
         args += ["--model.init_args.lora.adapter", str(adapter)]
-    cli = build_cli(args)
+    if strategy == "ddp":
+        with from_pretrained_reference():
+            cli = build_cli(args)
+    else:
+        cli = build_cli(args)
     module, trainer = cli.model, cli.trainer
     result = {"losses": module.step_losses, "pretrained_loss": pretrained_loss(checkpoint, module.first_batch),
               "first_batch": {"rows": len(rows_of(module.first_batch)), "shape": list(module.first_batch["input_ids"].shape)},
-              "items": [len(item) if isinstance(item, list) else 1 for item in cli.datamodule.train]}  # rows a pack
+              "items": [len(item) if isinstance(item, list) else 1 for item in cli.datamodule.train],  # rows a pack
+              "rand_after_load": module.rand_after_load}  # fmt: skip
     if variant == "full":  # the trained weights, gathered, to hold the export against
         with lightning_zero3.gathered_parameters(module.model):
             trained = {name: value.detach().clone() for name, value in module.model.state_dict().items()}
@@ -164,7 +173,8 @@ def main() -> None:
         write_sample_data(data)
     adapter = initial_adapter(checkpoint, out / "initial-adapter")
     before = digests(checkpoint)
-    results = {f"{v}-{s}": run(v, s, out, checkpoint, data, adapter) for v in ("full", "lora") for s in ("zero3", "ddp")}
+    variants = ("full", "lora", "adapter")
+    results = {f"{v}-{s}": run(v, s, out, checkpoint, data, adapter) for v in variants for s in ("zero3", "ddp")}
     results["resume"] = interrupted_and_resumed(out, checkpoint, data)
     results["checkpoint_unchanged"] = digests(checkpoint) == before
     rank = torch.distributed.get_rank()

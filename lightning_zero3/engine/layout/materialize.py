@@ -65,6 +65,25 @@ Where equality cannot hold, unseen: an init function that returns early on a met
 ``nn.init.trunc_normal_``, a rejection sampler) records and draws nothing, so that parameter keeps its
 earlier values and every later draw is off eager's stream; and an op reading a real tensor that
 ``__init__`` changes in place afterwards replays with the changed values.
+
+[Note: draws wait for a load]
+A checkpoint overwrites what construction drew, so drawing it is pure cost (all of a model's numbers, on
+every rank), and it leaves the generator where ``from_pretrained``, which draws nothing for what it loads,
+does not. So construction's random ops on meta tensors are recorded at once but drawn later, in their
+order (``_Draw``): when construction draws on a real tensor (eager's order is kept), when the recording
+block ends, or when ``load_pretrained`` claims the model inside the block (``draws_settled``): then the
+draws that write only into tensors the checkpoint holds are never made, nor recorded for a replay (the
+engine fills those from the file); a Hugging Face model's tensors the checkpoint lacks are initialised as
+``from_pretrained`` initialises them (``pretrained/missing.py``, recorded and drawn then); every other
+waiting draw is made, in order. So a complete checkpoint costs no draw at all, and every rank's generator
+ends where it does after ``from_pretrained`` (and peft's ``get_peft_model`` after it). The draws of a
+parameter are *decided* once made or skipped; a load outside the block finds them made (correct, but
+paid for: ``load_pretrained`` says so). What ``__init__`` draws on a real tensor (a value it computes,
+such as ``nn.Parameter(torch.randn(n))``) is drawn there, eager's order kept; ``from_pretrained`` draws
+nothing there, so ``pretrained/build.py`` builds such models wholly on the meta device, unrecorded
+(``built_whole_on_meta``), and gives their parameters empty records (``adopt``) whose draws wait the same
+way. Not seen while draws wait: reading the generator's state directly (``torch.get_rng_state()``,
+``fork_rng``) inside the block, which no dispatch reaches.
 """
 
 from __future__ import annotations
@@ -115,6 +134,7 @@ def parameters_on_meta() -> Iterator[None]:
     try:
         with recorder:
             yield
+        recorder.draw_waiting()  # no load claimed them: every rank's generator ends where eager's does
     finally:
         nn.Module.register_parameter = register
         _recorder = None
@@ -122,6 +142,71 @@ def parameters_on_meta() -> Iterator[None]:
         # the scratch draws are freed, but glibc's heap kept them resident (a Mixtral layer's experts:
         # 236 MB per rank, measured), a floor under every later phase: a phase ends here
         return_free_heap()
+
+
+def recording() -> bool:
+    """Whether a ``parameters_on_meta()`` block is open (a model is being built for zero3 to shard)."""
+    return _recorder is not None
+
+
+@contextmanager
+def built_whole_on_meta() -> Iterator[None]:
+    """Inside a ``parameters_on_meta()`` block: what the block builds has every tensor on the meta device,
+    buffers too, and nothing of it is recorded or drawn (as ``from_pretrained`` builds); ``adopt`` then
+    gives its parameters records for what initialises them later."""
+    assert _recorder is not None, "built_whole_on_meta() belongs inside parameters_on_meta()"
+    _recorder.paused = True
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        _recorder.paused = False
+
+
+def adopt(module: nn.Module) -> None:
+    """Give ``module``'s meta parameters that have none an empty construction record in the open recording:
+    their draws wait for a load ([Note: draws wait for a load]), and what runs on them is recorded."""
+    assert _recorder is not None, "adopt() belongs inside parameters_on_meta()"
+    for p in module.parameters():
+        if p.is_meta and getattr(p, CONSTRUCTION, None) is None:
+            _recorder.track(p, Construction(_recorder.device, p.dtype, None))
+
+
+def undecided(param: nn.Parameter) -> bool:
+    """Whether ``param`` is being built on the meta device and its construction's draws still wait (see
+    [Note: draws wait for a load])."""
+    record = getattr(param, CONSTRUCTION, None)
+    return record is not None and not record.decided
+
+
+@contextmanager
+def draws_settled(loaded: Iterable[nn.Parameter], fresh: Iterable[nn.Parameter] = ()) -> Iterator[None]:
+    """Settle the waiting draws of a model being built (see [Note: draws wait for a load]): those of the
+    ``loaded`` parameters (a checkpoint fills them) and of the ``fresh`` ones are never made; what the block
+    does to the ``fresh`` ones is recorded instead of their construction (a library's own rule for what a
+    checkpoint lacks, drawn here); after the block every other waiting draw is made, in order."""
+    loaded, fresh = [p for p in loaded if undecided(p)], [p for p in fresh if undecided(p)]
+    records = {id(r): r for r in (getattr(p, CONSTRUCTION) for p in (*loaded, *fresh))}
+    assert _recorder is not None or not records, "undecided draws outlive their recording"
+    for p in loaded:
+        getattr(p, CONSTRUCTION).value = None  # read from the checkpoint: the value computed in __init__ is not
+    for p in fresh:
+        getattr(p, CONSTRUCTION).restart()
+    if _recorder is not None:
+        _recorder.skip_draws(records.keys())
+    yield
+    if _recorder is not None:
+        _recorder.draw_waiting()
+
+
+def drawn_elements(params: Iterable[nn.Parameter]) -> int:
+    """How many random numbers construction drew for ``params`` (meta parameters whose draws were made)."""
+    total = 0
+    for p in params:
+        record = getattr(p, CONSTRUCTION, None)
+        if record is not None and record.decided and any(op[-2] is not None and op[-1] is not None for op in record.ops):
+            total += p.numel()
+    return total
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -290,8 +375,16 @@ class Construction:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, value: Optional[torch.Tensor]) -> None:
         self.device, self.dtype, self.value = device, dtype, value
-        self.ops: list[tuple] = []  # (op, args, kwargs, generator or None, its state before the op)
+        # [op, args, kwargs, generator or None, its state before the op (set when the draw is made)]
+        self.ops: list[list] = []
         self.problem: Optional[str] = None  # why it cannot be replayed
+        self.layout_problem: Optional[str] = None  # the part of ``problem`` no later init can lift
+        self.decided = False  # whether its construction's draws were made or skipped ([Note: draws wait for a load])
+
+    def restart(self) -> None:
+        """Forget what construction did after registration: the parameter is initialised afresh by the ops
+        recorded next (a library's rule for a tensor a checkpoint lacks)."""
+        self.ops, self.problem = [], self.layout_problem
 
     @property
     def sets_values(self) -> bool:
@@ -308,6 +401,7 @@ class Construction:
             if generator is None:
                 op(*args, **kwargs)
                 continue
+            assert state is not None, "a recorded draw was skipped, yet its parameter is being built from it"
             live = generator.get_state()
             generator.set_state(state)
             try:
@@ -328,29 +422,37 @@ class _Recorder(TorchDispatchMode):
         self.device = torch.get_default_device()
         self.params: dict[int, tuple[nn.Parameter, Construction]] = {}  # storage -> (meta param, record)
         self.unset: set[int] = set()  # storages allocated empty and not written since (real tensors)
+        self.waiting: list[_Draw] = []  # draws on meta tensors not made yet, in construction order
+        self.drawing = False  # making the waiting draws: their scratch ops pass straight through
+        self.paused = False  # inside built_whole_on_meta(): nothing is recorded
 
     def register(self, data: torch.Tensor, meta: nn.Parameter) -> None:
         defined = _storage(data) not in self.unset and data.is_contiguous()
-        record = Construction(data.device, data.dtype, data.detach() if defined and self.keep_values else None)
+        self.track(meta, Construction(data.device, data.dtype, data.detach() if defined and self.keep_values else None))
+
+    def track(self, meta: nn.Parameter, record: Construction) -> None:
         if not meta.is_contiguous() or meta.storage_offset() != 0:
-            record.problem = "its storage is not laid out as one contiguous tensor"
+            record.problem = record.layout_problem = "its storage is not laid out as one contiguous tensor"
         setattr(meta, CONSTRUCTION, record)
         self.params[_storage(meta)] = (meta, record)  # kept alive while recording: its storage id stays its own
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.drawing or self.paused:
+            return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        random = torch.Tag.nondeterministic_seeded in func.tags
         if not any(t.is_meta for t in tensors):
+            if random:  # a draw of its own: the waiting ones come first, as in eager construction
+                self.draw_waiting()
             out = func(*args, **kwargs)
             self._note_values(func, args, kwargs, out)
             return out
-        generator = state = None
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            scratch_args, scratch_kwargs = tree_map(self._scratch, (args, kwargs))
-            generator = kwargs.get("generator") or _default_generator(_first_device(scratch_args, scratch_kwargs))
-            state = generator.get_state()
-            func(*scratch_args, **scratch_kwargs)  # eager's draws, into memory freed at once
-            del scratch_args, scratch_kwargs
+        generator = draw = None
+        if random:
+            generator = kwargs.get("generator") or _default_generator(self._draw_device(_first_meta(args, kwargs)))
+            draw = _Draw(self, func, args, kwargs, generator)
+            self.waiting.append(draw)
         out = func(*args, **kwargs)
         for written in _written(func, args, kwargs):
             entry = self.params.get(_storage(written)) if written.is_meta else None
@@ -362,14 +464,38 @@ class _Recorder(TorchDispatchMode):
                 record.problem = f"`{func}` writes it from another meta tensor"
             elif record.problem is None:
                 spec = tree_map(lambda a: _Alias(a) if isinstance(a, torch.Tensor) and a.is_meta else a, (args, kwargs))
-                record.ops.append((func, *spec, generator, state))
+                op = [func, *spec, generator, None]
+                record.ops.append(op)
+                if draw is not None:
+                    draw.writes.append((record, op))
         return out
+
+    def skip_draws(self, records: Collection[int]) -> None:
+        """Drop the waiting draws that write only into the parameters whose records ``records`` names (by id)."""
+        self.waiting = [d for d in self.waiting if not (d.writes and all(id(r) in records for r, _ in d.writes))]
+
+    def draw_waiting(self) -> None:
+        """Make the waiting draws in order (eager's numbers, on scratch); every parameter recorded so far is
+        then decided."""
+        waiting, self.waiting = self.waiting, []
+        self.drawing = True
+        try:
+            for draw in waiting:
+                draw.make()
+        finally:
+            self.drawing = False
+        for _, record in self.params.values():
+            record.decided = True
+
+    def _draw_device(self, a: torch.Tensor) -> torch.device:
+        """The device eager construction would have drawn ``a`` on."""
+        entry = self.params.get(_storage(a))
+        return entry[1].device if entry is not None else self.device
 
     def _scratch(self, a):
         if not (isinstance(a, torch.Tensor) and a.is_meta):
             return a
-        entry = self.params.get(_storage(a))
-        device = entry[1].device if entry is not None else self.device
+        device = self._draw_device(a)
         span = 1 + sum((n - 1) * s for n, s in zip(a.size(), a.stride())) if a.numel() else 0
         if device.type == "cpu" and span * a.element_size() >= SCRATCH_MAPPED:
             # a map of its own, unmapped when the draw is done: from glibc's heap, the freed scratch of a
@@ -404,11 +530,24 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     return found
 
 
-def _first_device(args, kwargs) -> torch.device:
-    for t in tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.get_default_device()
+def _first_meta(args, kwargs) -> torch.Tensor:
+    return next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta)
+
+
+class _Draw:
+    """A random op of construction on a meta tensor, waiting to be drawn on a scratch tensor (see [Note: draws
+    wait for a load]); ``writes``: the records (and their op entries) of the parameters it writes into."""
+
+    def __init__(self, recorder: _Recorder, func, args, kwargs, generator: torch.Generator) -> None:
+        self.recorder, self.func, self.args, self.kwargs, self.generator = recorder, func, args, kwargs, generator
+        self.writes: list[tuple[Construction, list]] = []
+
+    def make(self) -> None:
+        state = self.generator.get_state()
+        for _, op in self.writes:
+            op[-1] = state
+        scratch_args, scratch_kwargs = tree_map(self.recorder._scratch, (self.args, self.kwargs))
+        self.func(*scratch_args, **scratch_kwargs)  # eager's draws, into memory freed at once
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
