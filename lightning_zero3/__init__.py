@@ -6,8 +6,7 @@ and ``Fabric(strategy="zero3")`` work.
 """
 
 from .checkpoint import CheckpointError, CheckpointMismatchError
-from .checkpoint.export import save_full_weights
-from .config import Zero3Config
+from .config.settings import Zero3Config
 from .engine import (
     ExecutionOrderError,
     NoTrainableParametersError,
@@ -20,11 +19,12 @@ from .engine import (
     unshard,
 )
 from .errors import UnsupportedPrecisionError, Zero3ConfigError
-from .fabric import Zero3FabricPrecision, Zero3FabricStrategy
-from .precision import Zero3Precision
+from .export.full_weights import save_full_weights
+from .frontends.fabric.strategy import Zero3FabricPrecision, Zero3FabricStrategy
+from .frontends.registration import register_strategies
+from .frontends.trainer.precision import Zero3Precision
+from .frontends.trainer.strategy import Zero3Strategy
 from .pretrained import PeerLoadError, from_pretrained, load_pretrained
-from .registration import register_strategies
-from .strategy import Zero3Strategy
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """The errors a user's settings raise, apart from the modules that check them, so that every module that
-validates a setting (``config.py``, ``deepspeed_config.py``) can raise them without importing another."""
+validates a setting (``config/settings.py``, ``config/deepspeed.py``) can raise them without importing another."""
 
 from __future__ import annotations
 

@@ -6,7 +6,12 @@ import pytest
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT / "examples", ROOT / "examples" / "benchmarks", ROOT / "tests"):
+HERE = Path(__file__).resolve().parent
+#: The tests, by concern (one folder each), and what they share: ``helpers/`` (ranks forked from a server,
+#: scripts, peak memory, checkpoint files, ...) and ``scripts/`` (the multi-rank programs tests run). Test
+#: modules import helpers and one another by module name, whatever folder they are in.
+TEST_FOLDERS = sorted(p for p in HERE.iterdir() if p.is_dir() and p.name not in ("scripts", "__pycache__"))
+for path in (ROOT / "examples", ROOT / "examples" / "benchmarks", HERE, *TEST_FOLDERS):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

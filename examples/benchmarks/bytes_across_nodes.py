@@ -7,7 +7,7 @@ Question: How many bytes cross node boundaries per step, with and without second
                                                                             # benchmark.py --nodes 2's GPT, fp32
 
 For each strategy, the bytes one rank receives from ranks on other nodes in one step, by the rule of
-[Note: inter-node bytes] in ``lightning_zero3/engine/topology.py`` (``inter_node_bytes``, the function the
+[Note: inter-node bytes] in ``lightning_zero3/engine/comm/topology.py`` (``inter_node_bytes``, the function the
 ledger itself calls), and the sum over the ranks of one node. P parameters of ``--bytes`` bytes each
 (gathered parameters and reduced gradients alike), N = nodes x ranks per node ranks:
 
@@ -16,7 +16,7 @@ ledger itself calls), and the sum over the ranks of one node. P parameters of ``
   reduce-scatter of the gradients, all over all ranks;
 - zero3 + hpZ (``secondary_shard_size="node"``): backward's all-gather runs inside the node (0 bytes);
 - zero3 + hpZ + int8 (``quantize_gathers="int8"``): forward's all-gather sends int8 blocks of 256 with an
-  fp32 scale each (``payload_bytes`` of ``lightning_zero3/engine/quantize.py``).
+  fp32 scale each (``payload_bytes`` of ``lightning_zero3/engine/comm/quantize.py``).
 
 It counts every parameter in every collective: a real run differs by the parameters kept whole (the
 persistent group: gathered once per step, after the optimizer step), the unit kept gathered from forward

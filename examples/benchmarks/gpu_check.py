@@ -17,7 +17,7 @@ benchmarks run alone. One process keeps every unit gathered by default, so the c
   path (every unit gathered for the whole run, the optimizer stepping the buffer the model reads).
 - ``parity bf16-mixed``: zero3 against DDP, 20 steps: every loss within ``BF16_LOSS_RTOL`` relative, the
   CPU suite's bound (zero3 gathers bf16 copies of the LayerNorm weights and embeddings, which DDP's
-  autocast keeps in fp32; tests/test_parity.py explains the figure).
+  autocast keeps in fp32; tests/frontends/test_parity.py explains the figure).
 - ``offload 16-mixed clip``: ``zero3_offload`` (optimizer and parameters in host memory) against zero3
   without offload, both ``16-mixed`` with ``gradient_clip_val``: the same loss-scale history, losses
   within ``OFFLOAD_LOSS_RTOL`` and weights within ``OFFLOAD_WEIGHT_ATOL``, one AdamW step's worth. The
@@ -236,7 +236,7 @@ CUDA_MEMORY_TAGS = ("reserved_bytes", "allocated_bytes", "fragmentation", "cache
 def monitors_verdict(memory: dict, comm: dict) -> tuple[bool, str]:
     """The monitors' last logged figures: the CUDA allocator's present and sane, the collectives' measured.
     The check runs at one rank, where the gathers (sharded on purpose) are one-rank collectives and the
-    gradients are reduced with none ([Note: one rank reduces nothing] in grads/reduction.py): a reduce-scatter
+    gradients are reduced with none ([Note: one rank reduces nothing] in engine/grads/reduction.py): a reduce-scatter
     counted there is a defect."""
     mem = {tag: memory.get(f"zero3/memory/{tag}/max") for tag in CUDA_MEMORY_TAGS}
     missing = [tag for tag, value in mem.items() if value is None]

@@ -11,7 +11,7 @@ node, so rank r is on node r // G.
 ``CrossNodeCounter`` counts, inside a rank, every collective that ``torch.distributed`` is asked for
 (``all_reduce``, ``all_gather_single`` / ``all_gather_into_tensor`` / ``all_gather``, ``reduce_scatter_single``
 / ``reduce_scatter_tensor``, ``broadcast``), with the rule zero3's byte ledger uses: the bytes this rank
-receives from ranks on other nodes ([Note: inter-node bytes] in ``lightning_zero3/engine/topology.py``).
+receives from ranks on other nodes ([Note: inter-node bytes] in ``lightning_zero3/engine/comm/topology.py``).
 DDP (through a Python communication hook that all-reduces like its built-in one), torch FSDP2 (its
 collectives are Python calls) and zero3 all go through those functions, so every strategy is counted the
 same way, and zero3's count can be checked against its own ledger.

@@ -35,7 +35,7 @@ def close_process_group() -> None:
     while a handle on them lives on (zero3's engine driven by hand, a DDP module), gloo ends about one
     process in three, or 1 in 40, with SIGABRT ("terminate called without an active exception") after the
     work is done, and the run would count as failed: see [Note: process groups closed at exit] in
-    ``lightning_zero3/engine/process_exit.py``.
+    ``lightning_zero3/engine/failure/process_exit.py``.
 
     The ranks meet in a barrier first, so none leaves before rank 0 has written the result: under
     torchrun a peer rank that aborts at its exit (FSDP2's rank 1 in 2 of 13 quick load runs) makes

@@ -4,6 +4,8 @@
 
 Figures are aggregated across ranks (mean and max) and logged under ``zero3/memory/`` and ``zero3/comm/``;
 see ``memory.py`` and ``comm.py`` for every tag and ``monitor.py`` for how they are gathered.
+
+Imports: Lightning and the ``engine`` (the figures are the engine's own counters), nothing of the doors.
 """
 
 from .comm import CommMonitor

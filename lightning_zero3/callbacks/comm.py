@@ -3,10 +3,10 @@
 Per collective kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``), over the steps
 since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max`` over the ranks):
   - ``bytes``, ``count``, ``seconds`` (issue to completion: the host's clock on gloo, device events on
-    CUDA, see [Note: completion time] in ``engine/timing.py``), ``exposed_seconds`` (time the compute
+    CUDA, see [Note: completion time] in ``engine/comm/timing.py``), ``exposed_seconds`` (time the compute
     side waited for it);
   - ``inter_node_bytes``: the bytes this rank received from ranks on other nodes (a rank's node is its
-    global rank // the Trainer's ``devices``; see [Note: inter-node bytes] in ``engine/topology.py``);
+    global rank // the Trainer's ``devices``; see [Note: inter-node bytes] in ``engine/comm/topology.py``);
   - ``algbw_GBps`` = bytes / seconds, with bytes the full (gathered or pre-scatter) buffer, and
     ``busbw_GBps`` = algbw x (n-1)/n for all-gather and reduce-scatter, x 2(n-1)/n for all-reduce
     (nccl-tests' ``PERFORMANCE.md``; n = the engine's group size);
@@ -20,7 +20,7 @@ since the last log, under ``zero3/comm/<kind>/`` (each with ``/mean`` and ``/max
     kind, with how to measure again.
 And ``zero3/comm/prefetch_hit_rate``: the share of unit starts whose parameters were already gathered
 or in flight; ``zero3/comm/trace_changes``: the training steps (backward passes) of the interval whose
-unit order differed from the recorded trace (see [Note: the trace may change] in ``schedule/prefetch.py``).
+unit order differed from the recorded trace (see [Note: the trace may change] in ``engine/schedule/prefetch.py``).
 
 Advice speaks only where acting on it would matter (see docs/monitoring.md), each kind of advice at most
 once per run: when an all-gather or reduce-scatter runs below ``utilization_threshold`` (default 0.7) of

@@ -1,4 +1,17 @@
-"""Sharded checkpoints: save, load (on any number of ranks), consolidate to one file."""
+"""Checkpoints to resume from: save, load (on any number of ranks), consolidate to one file.
+
+    api.py          a sharded checkpoint directory: each rank writes and reads its own part
+    sharded.py      what a rank contributes to one, and how it takes its part back
+    dcp_io.py       torch.distributed.checkpoint with zero3's flat pieces, read without unpickling code
+    atomic.py       directories that exist whole or not at all, their manifest
+    files.py        single ``torch.save`` files written atomically, read weights-only
+    full.py         ``checkpoint_format="full"``: the single file DDP saves, written unit by unit
+    consolidate.py  ``zero3-consolidate``: a sharded checkpoint to one file of full weights
+    verify.py       ``lightning-zero3 verify``: a checkpoint or export checked against its checksums
+
+Weights for other tools (no optimizer, not for resuming) are ``export/``'s.
+Imports: ``engine``, ``export`` (its file writers and the Hugging Face layout) and ``errors``.
+"""
 
 from .api import (
     NonFiniteCheckpointError,

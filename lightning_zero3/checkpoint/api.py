@@ -24,11 +24,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..engine import Communicator, Zero3Engine
 from ..engine.memory.buffers import return_free_heap
-from .atomic import TRAINER_STATE, CheckpointError, commit, partial_path, read_manifest, remove_partial, write_manifest
+from ..export.digests import DigestBook, writing_algorithm
+from ..export.writers import failures_everywhere, staging_path
+from .atomic import TRAINER_STATE, CheckpointError, commit, read_manifest, remove_partial, write_manifest
 from .dcp_io import FlatPiece, NonFiniteStateError, load_pieces, read_dcp_metadata, save_pieces
-from .digests import DigestBook, writing_algorithm
 from .files import torch_load_checked, write_torch_file
-from .hf import HF_CONFIG, find_hf_model, hf_configuration
+from ..export.hf import HF_CONFIG, find_hf_model, hf_configuration
 from .sharded import (
     MODEL_PREFIX,
     CheckpointMismatchError,
@@ -130,7 +131,7 @@ def write_sharded_checkpoint(
     everyone = comm.all_gather_objects(rests)  # the optimizers' small part, merged over the ranks
     merged = [merge_optimizer_rest([rank_rests[i] for rank_rests in everyone]) for i in range(len(rests))]
 
-    partial = Path(comm.all_gather_objects(str(partial_path(path)) if comm.rank == 0 else None)[0])
+    partial = Path(comm.all_gather_objects(str(staging_path(path)) if comm.rank == 0 else None)[0])
     book = DigestBook(writing_algorithm()) if checksums else None
     # the directory exists for everyone, or everyone raises
     agree_on_outcome(comm, path, "creating its directory", (lambda: partial.mkdir(parents=True)) if comm.rank == 0 else None,
@@ -186,8 +187,7 @@ def agree_on_outcome(
             action()
         except Exception as failure:  # noqa: BLE001 - reported on every rank below
             error = f"{type(failure).__name__}: {failure}"
-    outcomes = comm.all_gather_objects(error)
-    causes = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
+    causes = failures_everywhere(error, comm.all_gather_objects)
     if causes:
         removed = remove_everywhere(comm, partial) if partial is not None else None
         raise CheckpointError(_failure_message(path, what, causes, removed))

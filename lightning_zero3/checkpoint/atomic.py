@@ -28,7 +28,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from .digests import DigestBook, body_digest
+from ..export.digests import DigestBook, body_digest
+
+from ..export.writers import stale_staging_paths
 
 MANIFEST = "zero3.json"
 TRAINER_STATE = "trainer_state.pt"
@@ -38,10 +40,6 @@ VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, truncated or unreadable; the message names the problem."""
-
-
-def partial_path(final: Path) -> Path:
-    return final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
 
 
 def fsync_path(path: Path) -> None:
@@ -92,7 +90,7 @@ def commit(partial: Path, final: Path) -> None:
     fsync_path(final.parent)
     if aside is not None:
         shutil.rmtree(aside)
-    for stale in final.parent.glob(f".{final.name}.partial-*"):
+    for stale in stale_staging_paths(final):
         shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
 
 

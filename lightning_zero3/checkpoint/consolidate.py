@@ -13,7 +13,7 @@ One process, no process group. For each tensor in turn: allocate it full, let DC
 piece of it into place, write its bytes to the output, free it. Peak memory is about the largest
 tensor (twice, while DCP copies a piece in) over the process baseline, never the model. Every file of the
 checkpoint is checked against its checksum first (``verify.py``). The files are
-written tensor by tensor by ``writers.py`` (safetensors: header first; torch format: the pickle first,
+written tensor by tensor by ``export/writers.py`` (safetensors: header first; torch format: the pickle first,
 then one zip record per tensor, each with its true CRC).
 """
 
@@ -30,10 +30,10 @@ import torch
 from ..engine.memory.buffers import host_buffer, return_free_heap
 from .atomic import read_manifest
 from .dcp_io import FlatPiece, load_pieces
-from .hf import DEFAULT_MAX_SHARD, HF_CONFIG, write_hf_directory
+from ..export.hf import DEFAULT_MAX_SHARD, HF_CONFIG, write_hf_directory
 from .sharded import MODEL_PREFIX
+from ..export.writers import TensorEntry, write_safetensors, write_torch
 from .verify import verify_before_load
-from .writers import TensorEntry, write_safetensors, write_torch
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -60,8 +60,8 @@ def _entries(manifest: dict, prefix: str) -> list[_Entry]:
 def _read_full(path: Path, entry: _Entry) -> torch.Tensor:
     """One tensor, whole, read from every rank's pieces (this process alone). It is a memory map of its
     own, handed back to the kernel when the writer drops it: from glibc's heap, each freed tensor left a
-    hole that the small allocations of the next read carved up, and the peak grew by 4-9 tensors, varying
-    from run to run (measured: 7-38 MiB above the start for 2 MiB tensors, 25-74 MiB for 8 MiB ones)."""
+    hole that the small allocations of the next read carve up, and the peak would grow by several tensors,
+    varying from run to run."""
     full = host_buffer(entry.numel, entry.dtype)
     target = FlatPiece(full, 0, entry.numel) if entry.is_param else full.view(entry.shape)
     load_pieces({MODEL_PREFIX + entry.saved_name: target}, path, collective=False)
@@ -71,8 +71,8 @@ def _read_full(path: Path, entry: _Entry) -> torch.Tensor:
 def _tensors(path: Path, entries: list[_Entry]) -> Iterator[torch.Tensor]:
     for entry in entries:
         # The read's own temporaries (the bytes DCP read, at the tensor's size) come from glibc's heap once
-        # its mmap threshold has risen to that size, and their freed space stayed resident: the peak still
-        # varied by run (7-12 MiB above the start for 2 MiB tensors, once 33 MiB). Handing the heap's free
+        # its mmap threshold has risen to that size, and their freed space stays resident: the peak would
+        # still vary by run. Handing the heap's free
         # pages back before each read bounds it by one read's temporaries.
         return_free_heap()
         yield _read_full(path, entry)
@@ -83,7 +83,7 @@ def consolidate_checkpoint(
     config: Optional[Path] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD, verify: bool = True,
 ) -> Path:
     """Write the full weights of the sharded ``checkpoint`` to ``out``: ``"pt"`` or ``"safetensors"`` (one file),
-    or ``"hf"`` (a Hugging Face model directory, see ``hf.py``); by default from the suffix, and ``"hf"`` for a
+    or ``"hf"`` (a Hugging Face model directory, see ``export/hf.py``); by default from the suffix, and ``"hf"`` for a
     path without one when the checkpoint was written from a module that wraps a Hugging Face model. Only the
     names under ``prefix`` are kept, with the prefix removed (for ``"hf"``, by default the wrapped model's
     prefix). ``config``: a ``config.json`` for ``"hf"`` (by default the one the checkpoint carries). Every file

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from ..engine.memory.buffers import OFFLOAD_HOST, ByteLedger, host_buffer
 from ..engine.offload.aio import read_range, write_range
 from ..engine.offload.swapdir import SwapFile
-from .digests import DigestBook
+from ..export.digests import DigestBook
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,7 @@ class _BucketedWriter(dcp.FileSystemWriter):
 class _DigestingFileSystem(FileSystem):
     """DCP's local file system, recording the checksum of every file written through it (each shard file
     and, on the coordinator, ``.metadata``) in ``book``: see [Note: checksums while the bytes stream out]
-    in digests.py."""
+    in export/digests.py."""
 
     def __init__(self, book: DigestBook) -> None:
         super().__init__()

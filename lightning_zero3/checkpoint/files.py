@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from ..export.writers import staging_path
 from .atomic import CheckpointError, remove_checkpoint
-from .digests import DigestBook
+from ..export.digests import DigestBook
 
 
 def write_torch_file(obj: Any, file: Path, book: Optional[DigestBook] = None) -> None:
@@ -27,7 +27,7 @@ def write_torch_file(obj: Any, file: Path, book: Optional[DigestBook] = None) ->
 def save_file_atomically(obj: Any, path: Path) -> None:
     """Write ``obj`` to ``path`` so that ``path`` always holds either the old or the whole new checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
+    staging = staging_path(path)
     try:
         write_torch_file(obj, staging)
         if path.is_dir():

@@ -3,7 +3,7 @@
 The file is an ordinary Lightning checkpoint (``torch.save`` format: full weights under the module's own
 names, the unsharded optimizer state, and Lightning's loops, callbacks, schedulers), so DDP and plain
 torch load it as their own. It is written as described in [Note: a torch.save file, tensor by tensor]
-(``writers.py``): every rank takes part in gathering one unit's weights, then one state key of that
+(``export/writers.py``): every rank takes part in gathering one unit's weights, then one state key of that
 unit at a time, rank 0 writes them and the buffers go before the next; no rank ever holds the whole
 model or its optimizer state. The file appears whole or not at all, and a failure on rank 0 reaches
 every rank.
@@ -15,7 +15,6 @@ read (``engine.load_full_state_dict``, ``load_full_optimizer_state``).
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -25,7 +24,7 @@ from ..engine import Zero3Engine
 from ..engine.state.optimizer_state import full_state_layout, gathered_state
 from .api import agree_on_outcome
 from .atomic import fsync_path
-from .writers import TensorEntry, TorchFileWriter, placeholder
+from ..export.writers import TensorEntry, TorchFileWriter, placeholder, staging_path
 
 #: what ``lightning_module_state_dict`` / ``optimizer_state`` hand Lightning in full mode: the values are
 #: written by ``save_full_checkpoint`` as they are gathered
@@ -66,7 +65,7 @@ def save_full_checkpoint(
         checkpoint.update(zip(optimizer_keys, states))
     elif optimizers:
         checkpoint["optimizer_states"] = states
-    staging = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
+    staging = staging_path(path)
     writer = None
     error: Optional[Exception] = None
     try:

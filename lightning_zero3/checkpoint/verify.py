@@ -2,7 +2,7 @@
 
 ``verify_before_load``: the ranks of a load (or the one process of a consolidation) check every file of a
 sharded checkpoint, each file by one rank, and all raise the same ``CheckpointError`` when one is bad (see
-[Note: each file checked by one rank, the outcome agreed by all] in digests.py).
+[Note: each file checked by one rank, the outcome agreed by all] in export/digests.py).
 
 ``lightning-zero3 verify DIR`` (``main``) checks a sharded checkpoint (``zero3.json``) or a Hugging Face
 export (``SHA256SUMS``) without loading it into a model: one line per bad file, exit status 1 if any.
@@ -18,8 +18,8 @@ from typing import Optional
 
 from ..engine import Communicator
 from .atomic import MANIFEST, CheckpointError, read_manifest
-from .digests import SHA256, bad_files, checking_rank
-from .hf import SHA256SUMS, read_sha256sums
+from ..export.digests import SHA256, bad_files, checking_rank
+from ..export.hf import SHA256SUMS, read_sha256sums
 
 NO_CHECKSUMS = (
     "zero3: {path} was written without checksums (by a zero3 version before they were added), so its files "

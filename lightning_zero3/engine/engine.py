@@ -24,10 +24,10 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from ..config import Zero3Config, parse_budget
+from ..config.settings import OffloadTier, Zero3Config, parse_budget
 from .comm.agreement import OrderCheck
 from .comm.communicator import Communicator
-from .comm.process_exit import close_process_groups_at_exit
+from .failure.process_exit import close_process_groups_at_exit
 from .grads import gradients
 from .grads.reduction import ReductionQueue
 from .layout import sources
@@ -107,6 +107,14 @@ class NoTrainableParametersError(ValueError):
 
 
 #: the settings the automatic offload plan decides or sizes (see plan/choose.py)
+def _build_device(module: nn.Module, device: Optional[torch.device], meta: bool) -> torch.device:
+    """Where the shards are built: ``device``, else where the model's parameters are (CPU if it has none)."""
+    if device is None and meta:
+        raise ValueError("zero3: the model is on the meta device; pass `device=` to build its shards on.")
+    first = next(module.parameters(), None)
+    return device or (first.device if first is not None else torch.device("cpu"))
+
+
 AUTO_SETTINGS = ("offload_optimizer", "offload_params", "offload_buffer_count", "prefetch_bucket_size", "memory_budget")
 
 
@@ -122,7 +130,7 @@ class Zero3Engine(OptimizerSide):
         activations: Optional[Activations] = None,
     ) -> None:
         """Shard ``module`` in place. Parameters on the meta device are materialised unit by unit, straight
-        into shards (see [Note: sharded initialisation] in materialize.py): rank 0 replays what their
+        into shards (see [Note: sharded initialisation] in engine/layout/materialize.py): rank 0 replays what their
         construction under ``parameters_on_meta()`` did, else each module's ``reset_parameters()`` and then
         ``init_fn(module)`` initialise them. ``activations``: what one training step saves for backward, for the
         automatic offload plan (see plan/resolve.py; the caller measures them on the meta device)."""
@@ -131,34 +139,15 @@ class Zero3Engine(OptimizerSide):
         self.dtypes = dtypes
         self.comm = comm or Communicator()
         if self.comm.distributed:
-            close_process_groups_at_exit()  # see [Note: process groups closed at exit] in process_exit.py
+            close_process_groups_at_exit()  # see [Note: process groups closed at exit] in engine/failure/process_exit.py
         self.ledger = ByteLedger()
         self.pool = BufferPool(self.ledger)  # staging buffers, see [Note: reused staging buffers] in memory/buffers.py
-        first = next(module.parameters(), None)
         meta = has_meta_tensors(module)
-        if device is None and meta:
-            raise ValueError("zero3: the model is on the meta device; pass `device=` to build its shards on.")
-        self.device = device or (first.device if first is not None else torch.device("cpu"))
-        self.plan_choice: Optional[str] = None  # why the automatic offload plan was taken (plan/resolve.py)
-        self.plan_estimate = None  # its figures (``PlanEstimate``), and the settings it was chosen from:
-        self.auto_settings: Optional[dict] = None  # the "auto" ones, for a later run's reuse_problems
-        self.plan_budget: Optional[int] = None  # bytes per rank the plan was chosen to fit
-        if "auto" in (self.config.offload_optimizer, self.config.offload_params):
-            master = first.element_size() if first is not None else 4
-            compute = torch.tensor([], dtype=dtypes.compute).element_size() if dtypes.compute else master
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or self.comm.world_size
-            self.auto_settings = {name: getattr(self.config, name) for name in AUTO_SETTINGS}
-            self.config, self.plan_estimate, self.plan_choice, self.plan_budget = resolve_auto(
-                module, self.config, self.comm.world_size, local, self.device, master, compute, activations
-            )  # before any weight is placed: nothing to undo if no plan fits
-        # a run sized by its host memory: its states are offloaded to host memory or NVMe of a CPU run
-        self.host_sized = self.device.type == "cpu" and self.config.offload_optimizer is not None
-        if self.host_sized:
-            map_large_temporaries()  # [Note: large temporaries are mapped] in memory/buffers.py
-        elif self.device.type == "cpu":
-            keep_heap_top()  # [Note: the heap keeps its top between steps] in memory/buffers.py
+        self.device = _build_device(module, device, meta)
+        self._take_offload_plan(activations)  # before any weight is placed: nothing to undo if no plan fits
+        self._set_heap_policy()
         # values a checkpoint will supply (load_pretrained on the meta model): see [Note: loading straight
-        # into shards] in sources.py
+        # into shards] in engine/layout/sources.py
         pending = sources.take(module)
         materializer = (
             Materializer(module, self.device, init_fn, self.comm.rank == 0, pending.params, pending.buffers)
@@ -166,31 +155,78 @@ class Zero3Engine(OptimizerSide):
         )  # fmt: skip
         if self.config.sync_module_states or meta:
             self._broadcast_buffers()
+        self._plan_units()
+        self.offload = self._start_offload()
+        self._build_groups(materializer, pending)
+        if materializer is not None:
+            materializer.check_done(module)
+        self._index_slots()
+        if pending:
+            load_sources(self, pending)
+        self._route_gathers(self.config)
+        self._build_schedule()
+        module.__dict__[_LINK_ATTR] = _EngineLink(self)
+        if self.offload is not None:
+            self.offload.plan_host_pool([rt.group.shard_numel * rt.group.shard.element_size() for rt in self.runtimes])
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._step_handles: list = []
+        self._offloaded_steps: list[tuple[PipelinedStep, list[dict]]] = []
 
-        self.plan = plan_units(module, self.config.unit_modules, self.config.persistence_threshold)
+    # -- construction, step by step (in the order ``__init__`` runs them) ------------------------------
+
+    def _take_offload_plan(self, activations: Optional[Activations]) -> None:
+        """``offload_*="auto"``: the plan chosen from the estimate replaces ``"auto"`` in ``self.config``."""
+        self.plan_choice: Optional[str] = None  # why the automatic offload plan was taken (plan/resolve.py)
+        self.plan_estimate = None  # its figures (``PlanEstimate``), and the settings it was chosen from:
+        self.auto_settings: Optional[dict] = None  # the "auto" ones, for a later run's reuse_problems
+        self.plan_budget: Optional[int] = None  # bytes per rank the plan was chosen to fit
+        if "auto" not in (self.config.offload_optimizer, self.config.offload_params):
+            return
+        first = next(self.module.parameters(), None)
+        master = first.element_size() if first is not None else 4
+        compute = torch.tensor([], dtype=self.dtypes.compute).element_size() if self.dtypes.compute else master
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or self.comm.world_size
+        self.auto_settings = {name: getattr(self.config, name) for name in AUTO_SETTINGS}
+        self.config, self.plan_estimate, self.plan_choice, self.plan_budget = resolve_auto(
+            self.module, self.config, self.comm.world_size, local, self.device, master, compute, activations
+        )
+
+    def _set_heap_policy(self) -> None:
+        # a run sized by its host memory: its states are offloaded to host memory or NVMe of a CPU run
+        self.host_sized = self.device.type == "cpu" and self.config.offload_optimizer is not None
+        if self.host_sized:
+            map_large_temporaries()  # [Note: large temporaries are mapped] in memory/buffers.py
+        elif self.device.type == "cpu":
+            keep_heap_top()  # [Note: the heap keeps its top between steps] in memory/buffers.py
+
+    def _plan_units(self) -> None:
+        """The units, and the process groups their collectives run in (tuned before any unit exists)."""
+        self.plan = plan_units(self.module, self.config.unit_modules, self.config.persistence_threshold)
         self.comm.open_side_groups(self.config.timeout)  # see [Note: three process groups] in comm/communicator.py
-        self.secondary_size: Optional[int] = None  # the groups secondary shards are kept in (secondary.py)
+        self.secondary_size: Optional[int] = None  # the groups secondary shards are kept in (shard/secondary.py)
         resolve_size(self.config.secondary_shard_size, self.comm)  # a bad value fails before any unit is built
         if self.config.tune_collectives:
             # before any group exists: the tuning buffers are not stacked on top of the shards
-            self.comm.tune(_collective_sizes(self.plan, dtypes, self.comm.world_size), self.device)
+            self.comm.tune(_collective_sizes(self.plan, self.dtypes, self.comm.world_size), self.device)
+
+    def _build_groups(self, materializer: Optional[Materializer], pending) -> None:
+        """Every unit's flat group, one after the other (one unit in full at a time), then the persistent one."""
         sync = self.config.sync_module_states
         # [Note: one process keeps its units gathered] in shard/flat_group.py
         alone = self.comm.world_size == 1 and not self.config.single_process_sharding
         stays = alone and self.config.offload_params is None
-        self.offload = self._start_offload()
         self.root: Optional[UnitRuntime] = None  # the root unit, if it owns sharded parameters
         self.unit_runtimes: list[tuple[nn.Module, UnitRuntime]] = []  # every other unit, in module order
         for spec in self.plan.units:
             if spec.params:
                 name = spec.path or "<root>"
                 group = FlatGroup(
-                    name, spec.params, self.comm, self.ledger, self.pool, self.device, False, sync, dtypes,
+                    name, spec.params, self.comm, self.ledger, self.pool, self.device, False, sync, self.dtypes,
                     materializer=materializer, offload=self.offload, loaded=pending.params, stays_gathered=stays,
                 )
                 runtime = UnitRuntime(name, group, self.comm)
                 runtime.maybe_release()  # before the next unit is built: one unit in full at a time
-                parking.flush()  # the next unit is a new buffer, not a gather: no pages kept for it (parking.py)
+                parking.flush()  # the next unit is a new buffer, not a gather: no pages kept for it (memory/parking.py)
                 if spec is self.plan.root:
                     self.root = runtime
                 else:
@@ -199,13 +235,15 @@ class Zero3Engine(OptimizerSide):
         if self.plan.persistent:
             group = FlatGroup(
                 "<persistent>", self.plan.persistent, self.comm, self.ledger, self.pool, self.device, True, sync,
-                dtypes, materializer=materializer, offload=self.offload, loaded=pending.params, stays_gathered=stays,
+                self.dtypes, materializer=materializer, offload=self.offload, loaded=pending.params,
+                stays_gathered=stays,
             )
             self.persistent = UnitRuntime(group.name, group, self.comm)
-        if materializer is not None:
-            materializer.check_done(module)
         units = [rt for _, rt in self.unit_runtimes]
         self.runtimes = [rt for rt in [self.root, *units, self.persistent] if rt is not None]
+
+    def _index_slots(self) -> None:
+        """Each parameter's slot, found from the user's parameter or from its shard; parameters know their engine."""
         self.slots: dict[int, ParamSlot] = {}  # by id of the user's parameter
         self._slot_of_shard: dict[int, tuple[FlatGroup, ParamSlot]] = {}  # by id of the shard parameter
         for runtime in self.runtimes:
@@ -213,10 +251,11 @@ class Zero3Engine(OptimizerSide):
                 self.slots[id(slot.param)] = slot
                 self._slot_of_shard[id(slot.shard_param)] = (runtime.group, slot)
                 setattr(slot.param, _ENGINE_ATTR, weakref.ref(self))
-        if pending:
-            load_sources(self, pending)
-        self._route_gathers(self.config)
+
+    def _build_schedule(self) -> None:
+        """The order check, the gather schedule, the reduction queue, inference residency and the hooks."""
         cfg = self.config
+        units = [rt for _, rt in self.unit_runtimes]
         self.order_check = OrderCheck([rt.group for rt in self.runtimes], self.comm)
         for runtime in self.runtimes:
             runtime.group.check = self.order_check
@@ -231,15 +270,10 @@ class Zero3Engine(OptimizerSide):
             [rt.group.full.numel() * rt.group.full.element_size() for rt in units], self.schedule,
         )
         self.hooks = HookManager(
-            module, self.root, self.unit_runtimes, self.persistent, self.schedule, queue,
-            cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == "nvme" else 0, self.residency,
+            self.module, self.root, self.unit_runtimes, self.persistent, self.schedule, queue,
+            cfg.reduce_bucket_size, cfg.offload_buffer_count if cfg.offload_params == OffloadTier.NVME else 0,
+            self.residency,
         )
-        module.__dict__[_LINK_ATTR] = _EngineLink(self)
-        if self.offload is not None:
-            self.offload.plan_host_pool([rt.group.shard_numel * rt.group.shard.element_size() for rt in self.runtimes])
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self._step_handles: list = []
-        self._offloaded_steps: list[tuple[PipelinedStep, list[dict]]] = []
 
     # -- one engine for the module's whole life -------------------------------------------------------
 
@@ -292,7 +326,7 @@ class Zero3Engine(OptimizerSide):
         self._route_gathers(config)
 
     def _route_gathers(self, config: Zero3Config) -> None:
-        """Secondary shards and int8 gathers as ``config`` asks (see [Note: gather routes] in gather.py);
+        """Secondary shards and int8 gathers as ``config`` asks (see [Note: gather routes] in engine/shard/gather.py);
         a change of ``secondary_shard_size`` between runs re-creates the groups (a collective)."""
         size = resolve_size(config.secondary_shard_size, self.comm)
         if size != self.secondary_size:
@@ -332,7 +366,7 @@ class Zero3Engine(OptimizerSide):
     def shard_params(self) -> list[nn.Parameter]:
         return [slot.shard_param for slot in self.slots.values()]
 
-    # -- gradients (see gradients.py) ---------------------------------------------------------------
+    # -- gradients (see grads/gradients.py) ---------------------------------------------------------------
 
     @property
     def _groups(self) -> list[FlatGroup]:
@@ -436,7 +470,7 @@ class Zero3Engine(OptimizerSide):
         the in-memory categories at any moment; ``peak_<category>`` the highest of each. With
         ``secondary_shard_size`` = s, ``secondary_shards`` holds 1/s of each unit released after its forward
         until its backward is over: at its peak, between forward and backward, about 1/s of the units'
-        gathered bytes (see [Note: secondary shards] in secondary.py)."""
+        gathered bytes (see [Note: secondary shards] in engine/shard/secondary.py)."""
         self.note_optimizer_state()
         report = dict(self.ledger.held)
         report["peak_gathered_params"] = self.ledger.peak_gathered
@@ -460,10 +494,6 @@ class Zero3Engine(OptimizerSide):
         """Full (gathered) bytes of every unit (the root included), by unit name."""
         units = ([self.root] if self.root else []) + [rt for _, rt in self.unit_runtimes]
         return {rt.name: rt.group.full.numel() * rt.group.full.element_size() for rt in units}
-
-    @property
-    def gathered_bytes(self) -> int:
-        return self.ledger.held[GATHERED_PARAMS]
 
     def trim(self) -> None:
         """Hand idle staging buffers back to the kernel (between phases: after ``fit``, before evaluation)."""
@@ -512,7 +542,7 @@ class Zero3Engine(OptimizerSide):
 
     def remove_swap_files(self) -> None:
         """Delete this rank's swap folder now, touching nothing else (no thread is joined): for a process
-        about to end with ``os._exit``, which skips the interpreter's own clean-up (see watchdog.py)."""
+        about to end with ``os._exit``, which skips the interpreter's own clean-up (see failure/watchdog.py)."""
         swap = getattr(self.offload, "swap", None) if self.offload is not None else None
         if swap is not None:
             swap.remove()

@@ -43,7 +43,7 @@ class ShardedLossScaler:
 
     def unscale_and_check(self, engine: "Zero3Engine", params: Iterable[torch.Tensor]) -> bool:
         """Divide the gradients of ``params`` (shard parameters) by the scale; True when any rank found a
-        non-finite gradient (wherever the gradients live, see ``gradients.py``)."""
+        non-finite gradient (wherever the gradients live, see ``grads/gradients.py``)."""
         return engine.unscale_gradients_(1.0 / self.scale, params)
 
     def update(self, found_inf: bool) -> None:

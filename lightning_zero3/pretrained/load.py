@@ -4,7 +4,7 @@ Where it is called decides what it does, and the result is the same model:
 - on a model built on the meta device (``configure_model`` under zero3, or ``init_module(empty_init=True)``):
   the checkpoint is checked now and its tensors are left on the model; the engine that shards it
   builds the units from them without initialising or broadcasting anything, each rank copying only
-  the byte ranges of its own shards (see [Note: loading straight into shards] in engine/sources.py).
+  the byte ranges of its own shards (see [Note: loading straight into shards] in engine/layout/sources.py).
   Called inside the block that builds the model, no random number is drawn for what the checkpoint
   holds, and what it lacks gets what ``from_pretrained`` gives it ([Note: draws wait for a load] in
   engine/layout/materialize.py);

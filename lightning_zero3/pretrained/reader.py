@@ -2,12 +2,9 @@
 
 [Note: reading a checkpoint's byte ranges]
 Each rank reads only the ranges of its shards, and casts them (bf16 in the file, fp32 masters) as they
-come. Measured on the 2-core development machine, 4 processes each reading and casting a quarter of a
-2 GB bf16 checkpoint cold into fresh fp32 memory: through a memory map (``MADV_WILLNEED`` ahead, 8 MB
-pieces) 5.9 s; ``preadv`` through the page cache into a staging buffer, then the cast, 2.2 s; the same
-with ``O_DIRECT`` 1.3 s, where the disk alone (4 readers, ``O_DIRECT``) took 1.0-1.5 s. The mapped file
-was slow because the cast faulted its pages in one by one behind the read-ahead, and every page read
-through the cache is copied once more by the kernel. So a file is read with ``O_DIRECT`` into a
+come. Through a memory map the cast faults the file's pages in one by one behind the read-ahead, and
+every page read through the page cache is copied once more by the kernel; reading with ``O_DIRECT`` into
+a staging buffer and casting from there comes closest to what the disk alone takes. So a file is read with ``O_DIRECT`` into a
 page-aligned staging buffer (whole aligned blocks around the range asked for), falling back to
 buffered reads on a file system that refuses the flag (then the pages read are dropped from the cache
 again), and the next piece is read on a helper thread while this one is cast (``os.preadv`` releases

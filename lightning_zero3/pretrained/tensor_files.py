@@ -11,7 +11,7 @@ Everything that can be known before a byte of weights is read is checked when th
 opened: a path that is not there, a header that is cut off or not JSON, a tensor whose bytes lie past
 the end of its file (a truncated download), an index that names a missing file or a tensor its file
 does not hold. Reading then reads only the byte ranges asked for (see [Note: loading straight into
-shards] in ``engine/sources.py`` and [Note: reading a checkpoint's byte ranges] in ``reader.py``).
+shards] in ``engine/layout/sources.py`` and [Note: reading a checkpoint's byte ranges] in ``reader.py``).
 """
 
 from __future__ import annotations

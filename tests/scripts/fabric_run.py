@@ -182,7 +182,7 @@ def run_resume(fmt: str, out: Path) -> dict:
 def record_exit(out: Path) -> None:
     """Registered before zero3's exit handler, so it runs after it: what zero3 left running at this
     process's exit (``OUT/exit-<pid>.json``). No Fabric of this script is torn down, as Fabric leaves them."""
-    from lightning_zero3.engine.comm.process_exit import gloo_threads
+    from lightning_zero3.engine.failure.process_exit import gloo_threads
 
     def record() -> None:
         watchdogs = [t.name for t in threading.enumerate() if t.name.startswith("zero3-watchdog")]

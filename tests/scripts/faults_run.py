@@ -1,4 +1,4 @@
-"""One rank of a 2-rank zero3 fit into which one fault is injected; ``tests/test_faults.py`` starts both ranks
+"""One rank of a 2-rank zero3 fit into which one fault is injected; ``tests/failures/test_faults.py`` starts both ranks
 itself (as torchrun would: ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` set) to see each rank's exit.
 
     python tests/scripts/faults_run.py --fault kill_step --out DIR     (with the rank's environment)

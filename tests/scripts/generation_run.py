@@ -6,7 +6,7 @@
              Strategies "zero3" and "ddp".
   train      fit with routed experts, SGD and AdamW, under "zero3" and "ddp_find_unused_parameters_true".
 
-Rank 0 writes ``OUT/<mode>-<strategy>[-<optimizer>].pt``; ``tests/test_generation.py`` compares them.
+Rank 0 writes ``OUT/<mode>-<strategy>[-<optimizer>].pt``; ``tests/engine/test_generation.py`` compares them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """One rank of a 2-rank zero3 run in which the ranks issue different collectives, or which is sent SIGTERM
-while its ranks wait; ``tests/test_hangs.py`` starts it.
+while its ranks wait; ``tests/failures/test_hangs.py`` starts it.
 
     python tests/scripts/hangs_run.py --case save_rank0 --out DIR   (with a rank's environment, as torchrun)
     python tests/scripts/hangs_run.py --case sigterm --out DIR      (plain: Lightning's launcher starts rank 1)

@@ -6,7 +6,7 @@ Run as a script (Lightning's launcher re-runs it once per rank):
 
 For every (strategy, variant) pair, rank 0 writes ``DIR/<strategy>-<variant>.pt`` holding the mean loss
 over ranks at every optimizer step, the weights at the start of training and at the end, the random
-generator's state at the start, and zero3's byte report. ``tests/test_parity.py`` compares them.
+generator's state at the start, and zero3's byte report. ``tests/frontends/test_parity.py`` compares them.
 """
 
 from __future__ import annotations

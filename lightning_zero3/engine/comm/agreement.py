@@ -7,7 +7,7 @@ with rank 1's gather of another: equal-sized units then mix silently, different 
 inside gloo ("Received data size doesn't match expected size") or hang under NCCL. So before issuing
 an all-gather, each rank all-gathers a tag of a few integers (``OrderCheck.tag``: step, pass, phase,
 sequence number, elements, and the units gathered) on the check group (see [Note: three process groups]
-in comm/communicator.py) and compares the rows: every rank sees the same rows, so on a mismatch every rank raises the
+in communicator.py) and compares the rows: every rank sees the same rows, so on a mismatch every rank raises the
 same ``ExecutionOrderError``, naming what each rank was about to gather, before any gather is issued.
 The rows must be read before the gather is issued, because a mismatched gather could abort the process
 before a check behind it is read (gloo checks message sizes on its own thread: ``gloo::EnforceNotMet``,
@@ -16,8 +16,7 @@ other ranks to reach the same point); a gather ahead of need is agreed on a unit
 
 [Note: checks run a unit ahead]
 Blocking at every unit start makes a rank that runs ahead wait there for the slowest one, even when the
-gathers it issues would not have made it wait (prefetch hides them): measured on the benchmark GPT
-(2 CPU ranks), about 0.02-0.03x of DDP's step time. So a gather ahead of need (prefetch) is agreed on
+gathers it issues would not have made it wait (prefetch hides them). So a gather ahead of need (prefetch) is agreed on
 one unit before it is issued: the window chooses it at one unit start, its tag goes out without waiting
 (``check_ahead``; the group's ``pending`` is then a ``CheckedAhead``), and at the next unit start, or as
 soon as anything waits for it, ``settle`` reads the rows, compares them and issues the gather. By then
@@ -31,9 +30,9 @@ everything agreed on ahead has been issued.
 Reduce-scatters need no tag: their order is derived on every rank from the recorded backward trace
 (``grads.ReductionQueue``), and ``check_traces`` compares the traces across ranks at the end of every
 backward (a digest in one more tag: ranks that skipped different units without any gather going wrong,
-since the units were prefetched alike, fail there with the units named). With both in place the
-per-unit all-reduce that the first step used to run (to agree on each unit as it started) is gone: a
-disagreement surfaces at the next gather or the end of that backward, before it can do harm.
+since the units were prefetched alike, fail there with the units named). With both in place no step
+needs a collective of its own to agree on each unit as it starts: a disagreement surfaces at the next
+gather or the end of that backward, before it can do harm.
 """
 
 from __future__ import annotations

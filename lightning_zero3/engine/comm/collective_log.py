@@ -1,5 +1,5 @@
 """What this rank is doing, kept cheaply by the main thread for the watchdog to publish (see
-[Note: finding collectives that cannot complete] in watchdog.py).
+[Note: finding collectives that cannot complete] in engine/failure/hang_check.py).
 
 Three things, all in memory, none touching the store (the watchdog thread reads and publishes them):
 

@@ -343,7 +343,7 @@ class Communicator:
         [Note: swap tags]
         Each message carries a tag that both ranks count alike per kind: all-gathers are issued in one
         order on every rank (the recorded execution order, each agreed on first, see agreement.py), and so
-        are reduce-scatters ([Note: reduction order] in grads/reduction.py), so several swaps in flight cannot be
+        are reduce-scatters ([Note: reduction order] in engine/grads/reduction.py), so several swaps in flight cannot be
         confused. The two kinds keep counters of their own: how a rank's gathers and reductions interleave
         legitimately differs between ranks (see [Note: three process groups])."""
         peer = dist.get_global_rank(group, 1 - self.rank) if group is not None else 1 - self.rank
@@ -359,10 +359,9 @@ class Communicator:
         adds its own half.
 
         [Note: a pair swaps halves]
-        Gloo's reduce-scatter of a 9.6 MB block on two CPU ranks took 7.4-7.8 ms of CPU, and an all-reduce
-        keeping the slice (which moves twice the bytes) 7.4-8.0 ms; the swap of the halves plus one add takes
-        2.8-3.5 ms (measured alone, as ``tune`` times the ways; wall time 4.0-5.5 ms against 8.5-12 ms).
-        It moves what a reduce-scatter must: half of the buffer each way. The sum is the other rank's half
+        On two CPU ranks gloo's reduce-scatter (and an all-reduce keeping the slice, which moves twice the
+        bytes) costs several times the CPU of one swap of the halves plus one add; ``tune`` times the ways
+        and takes the fastest. It moves what a reduce-scatter must: half of the buffer each way. The sum is the other rank's half
         plus this rank's, which is the same number as a reduce-scatter's rank-0-plus-rank-1 (floating-point
         addition of two terms does not depend on their order), so results are bitwise those of the other
         ways."""
@@ -376,10 +375,9 @@ class Communicator:
         other's straight into its place in ``output``, and copies its own into place meanwhile.
 
         [Note: a pair swaps shards]
-        Gloo's all-gather of a 9.6 MB block on two CPU ranks took 4.1-4.5 ms of CPU per call (wall 6.0-7.9
-        ms); the swap with the copy of the own shard 2.9-3.4 ms (wall 4.1-5.1 ms), measured alone on the
-        2-core AMD host (family 26). A gather moves the same bytes either way (one shard each way); the
-        swap skips gloo's collective machinery (its worker thread and its staging of the output)."""
+        A gather moves the same bytes either way (one shard each way); the swap skips gloo's collective
+        machinery (its worker thread and its staging of the output), so on two CPU ranks it costs less CPU
+        per call than gloo's all-gather (``tune`` times both and takes the faster)."""
         me, width = self.rank, shard.numel()
         works = self._swap("all_gather", shard, output[(1 - me) * width : (2 - me) * width], group)
         mine = output[me * width : (me + 1) * width]

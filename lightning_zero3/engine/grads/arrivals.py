@@ -2,9 +2,9 @@
 
 [Note: which parameters received a gradient]
 A parameter that no rank used keeps ``.grad`` None, as under DDP (see [Note: which parameters had a
-gradient] in grads/reduction.py), so each rank must tell which of a group's parameters autograd gave a gradient.
+gradient] in reduction.py), so each rank must tell which of a group's parameters autograd gave a gradient.
 A parameter whose ``.grad`` is its own tensor has one when it is not None. A landing view (see [Note:
-gradients land in a pooled buffer] in shard/flat_group.py) exists whether or not autograd wrote into it, and a
+gradients land in a pooled buffer] in engine/shard/flat_group.py) exists whether or not autograd wrote into it, and a
 Python hook per parameter to say so was the costliest host work of a small model's step (148 hooks a
 step on the 85M GPT's structure). Instead:
 - autograd accumulates into an existing ``.grad`` in place, one ``add_`` per parameter per backward

@@ -6,7 +6,7 @@ backward and the step (``"nvme"``). ``visit_gradients`` hands a function every g
 chosen shard parameters: in memory as they are, from NVMe streamed read-only a few groups at a time
 (``offload/streaming.py``). A change to every gradient (``scale_gradients``, ``clamp_gradients``) is done
 in place in memory, and recorded for later on NVMe (see [Note: deferred gradient operations] in
-``offload/store.py``): it is applied when the optimizer step brings the group in, so a step reads each
+``engine/offload/store.py``): it is applied when the optimizer step brings the group in, so a step reads each
 gradient once and writes none back.
 
 Clipping by norm: every element of every parameter lives in exactly one rank's shard (padding is never a

@@ -19,9 +19,9 @@ here (``Packed.used_here``, see [Note: which parameters received a gradient] in 
 parameter without one sends zeros. When backward ends, the ranks tell
 each other on the check group (host integers, no device synchronisation) whether any of them lacked a
 gradient, and only then exchange the flags of every unit reduced (``restore_unused``): a shard gradient
-that this backward created for a parameter no rank used is set back to None. (The flags used to travel
-as extra columns of each unit's reduce-scatter; that kept the send buffer from being the buffer the
-gradients land in, see [Note: the landing buffer is sent].)
+that this backward created for a parameter no rank used is set back to None. The flags do not travel
+in each unit's reduce-scatter: extra columns there would keep the send buffer from being the buffer the
+gradients land in (see [Note: the landing buffer is sent]).
 
 [Note: reduction order]
 The n-th reduce-scatter of every rank must reduce the same groups, or gradients of one unit are summed
@@ -96,7 +96,7 @@ def divides_exactly_after(world: int, dtype: torch.dtype) -> bool:
 def _new_buffer(pool: BufferPool, world: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Where a packed gradient buffer comes from when it is not the landing buffer: the engine's staging
     pool, given back once the reduce-scatter that reads it has completed (see [Note: reused staging
-    buffers] in memory/buffers.py). Not zeroed: its users write every element (see [Note: packing writes every
+    buffers] in engine/memory/buffers.py). Not zeroed: its users write every element (see [Note: packing writes every
     element once])."""
     return pool.take(world * width, dtype, device).view(world, width)
 
@@ -108,7 +108,7 @@ def pack_gradients(group: FlatGroup, comm: Communicator, ends_alike: bool = True
 
     [Note: the landing buffer is sent]
     The gradients of a unit land in one zeroed buffer in the padded full layout (see [Note: gradients
-    land in a pooled buffer] in shard/flat_group.py), which is the layout the reduce-scatter reads. So when the
+    land in a pooled buffer] in engine/shard/flat_group.py), which is the layout the reduce-scatter reads. So when the
     reduce dtype is the compute dtype (or there is one rank: [Note: one rank accumulates its landing
     buffer]), that buffer itself is sent: no copy of the unit, and no division
     either where it is exact after the sum. Only a gradient that autograd did not leave in its landing
@@ -445,7 +445,7 @@ class ReductionQueue:
                     return  # its turn comes at a later hook, or when backward ends
                 self._inflight.popleft().wait()
             self._next += 1
-            runtime.reduced = True
+            runtime.mark_reduced()
             packed = pack_gradients(runtime.group, self.comm, runtime.ends_alike)
             assert packed is not None
             self._reduced.append(packed)

@@ -139,8 +139,8 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
         _recorder = None
         recorder.params.clear()
-        # the scratch draws are freed, but glibc's heap kept them resident (a Mixtral layer's experts:
-        # 236 MB per rank, measured), a floor under every later phase: a phase ends here
+        # the scratch draws are freed, but glibc's heap keeps them resident (a whole MoE layer's experts),
+        # a floor under every later phase: a phase ends here
         return_free_heap()
 
 
@@ -498,8 +498,8 @@ class _Recorder(TorchDispatchMode):
         device = self._draw_device(a)
         span = 1 + sum((n - 1) * s for n, s in zip(a.size(), a.stride())) if a.numel() else 0
         if device.type == "cpu" and span * a.element_size() >= SCRATCH_MAPPED:
-            # a map of its own, unmapped when the draw is done: from glibc's heap, the freed scratch of a
-            # Llama's layers stayed resident while the next were built (1.5 GB per rank of a 1B model)
+            # a map of its own, unmapped when the draw is done: from glibc's heap, the freed scratch of
+            # earlier layers would stay resident while the next are built
             return host_buffer(span, a.dtype).as_strided(a.size(), a.stride())
         return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=device)
 

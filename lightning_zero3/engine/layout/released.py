@@ -158,5 +158,5 @@ def mark_gathered(params: Iterable[tuple[nn.Parameter, type]]) -> None:
 def engine_access() -> ContextManager:
     """The engine's own reads and writes of released parameters' ``.grad`` (packing a unit's gradients,
     dropping them), in bulk: without it each one is a Python ``__torch_function__`` call that only lets
-    metadata through (measured: 3.8 ms per step on 33 units of tiny layers, most of zero3's hook work)."""
+    metadata through, which on a model of many small units is most of zero3's hook work."""
     return torch._C.DisableTorchFunctionSubclass()

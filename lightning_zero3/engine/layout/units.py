@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from ...config import UnitPolicy
+from ...config.settings import UnitPolicy
 from ...errors import Zero3ConfigError
 
 ROOT = ""  # module path of the root unit

@@ -15,8 +15,8 @@ those views, so the buffer object must outlive every release: it is emptied and 
   engine holds and stays there. So a host buffer that is released and reclaimed again and again is a
   private anonymous memory map of its own: releasing it is ``madvise(MADV_DONTNEED)``, which hands its
   pages back to the kernel at once; the next write faults fresh zero pages in. Transparent huge pages are
-  requested for it (``MADV_HUGEPAGE``), which makes that refill about 3x faster than malloc's resize
-  (measured: 4.3 ms against 13 ms for 28 MB). The mapping lives as long as the tensor (and its views).
+  requested for it (``MADV_HUGEPAGE``), which makes that refill several times faster than malloc's resize.
+  The mapping lives as long as the tensor (and its views).
 
 [Note: huge pages stay inside their buffer]
 The kernel merges neighbouring anonymous mappings with the same settings into one region, and a huge
@@ -30,20 +30,18 @@ A huge page can only map an aligned 2 MiB block, and the kernel places a mapping
 a buffer that started 1.3 MiB past one had its first and last blocks in small pages. Worse, moving
 pages between two buffers (``mremap``, see [Note: released pages are parked] in parking.py) keeps a
 huge page only when both buffers sit at the same offset from a 2 MiB boundary; otherwise the kernel
-splits it into small pages, and the gathered weights computed on from then on missed the TLB more
-(a decode-sized matmul over 4 x 24 MiB weights: 3-4% slower on moved, split pages). So a buffer of
+splits it into small pages, and the gathered weights computed on from then on miss the TLB more
+(a decode-sized matmul runs measurably slower on moved, split pages). So a buffer of
 2 MiB or more is mapped with 2 MiB of slack in front and starts at the first 2 MiB boundary inside its
 map; the slack is never touched (address space only, no memory).
 
 [Note: shards are in small pages]
-A huge page is zeroed by the kernel whole when first touched, and on the development machine (a virtual
-machine) memory the guest has not used lately costs host work on its first touch as well: 4 ranks
-writing their 1 GB fp32 shards of a 1B model as they loaded it took 5.4-6.4 s in huge pages against
-3.4-3.7 s in small pages (the same 2 GB of bf16 read from the disk), the kernel's page clearing taking
-30% of all CPU samples with huge pages. A unit's shard without offload is written once (initialised or
+A huge page is zeroed by the kernel whole when first touched, and in a virtual machine memory the guest
+has not used lately costs host work on its first touch as well: writing freshly loaded shards into huge
+pages is dominated by the kernel's page clearing. A unit's shard without offload is written once (initialised or
 loaded) and then read by each all-gather in one sequential pass, where huge pages buy nothing
 measurable, so it is mapped in small pages. Buffers that are released and refilled again and again
-(gathered units, offload's all-gather sources) keep huge pages: refilled warm, they fault in 3x faster.
+(gathered units, offload's all-gather sources) keep huge pages: refilled warm, they fault in faster.
 
 [Note: reused staging buffers]
 Buffers that exist only for a moment but recur every step at the same sizes (a unit's packed gradients,
@@ -73,7 +71,7 @@ GRAD_SHARDS = "grad_shards"  # this rank's 1/N of every gradient, in the shard d
 OPTIMIZER_STATE = "optimizer_state"  # the optimizers' state tensors in memory (Adam's moments, ...)
 PERSISTENT_PARAMS = "persistent_params"  # whole copies of the small parameters every rank keeps
 GATHERED_PARAMS = "gathered_params"  # full parameters of units gathered right now
-SECONDARY_SHARDS = "secondary_shards"  # node-local copies kept from forward for backward (see secondary.py)
+SECONDARY_SHARDS = "secondary_shards"  # node-local copies kept from forward for backward (see shard/secondary.py)
 STAGING = "staging_buffers"  # reused transient buffers: packed gradients, collective landing zones
 OFFLOAD_HOST = "offload_host"  # host-memory tier of offload: master / gradient shards, staging buffers
 OFFLOAD_NVME = "offload_nvme"  # bytes of swap files on the NVMe tier (on disk, not in memory)
@@ -81,7 +79,6 @@ CATEGORIES = (
     PARAM_SHARDS, GRAD_SHARDS, OPTIMIZER_STATE, PERSISTENT_PARAMS, GATHERED_PARAMS, SECONDARY_SHARDS, STAGING,
     OFFLOAD_HOST, OFFLOAD_NVME,
 )  # fmt: skip
-IN_MEMORY = tuple(c for c in CATEGORIES if c != OFFLOAD_NVME)
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
@@ -98,7 +95,7 @@ class ByteLedger:
     peak_total: int = 0
     watchers: list = field(default_factory=list)  # per-category peaks of the phases being watched
     # gathered parameters plus staging buffers at their highest outside evaluation: what a training step
-    # needs on top of the shards (the automatic inference budget is held to it, see residency.py)
+    # needs on top of the shards (the automatic inference budget is held to it, see schedule/residency.py)
     peak_training_transient: int = 0
     evaluating: bool = False
 
@@ -150,8 +147,8 @@ def _nbytes(numel: int, dtype: torch.dtype) -> int:
 def new_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat zero-filled buffer. Created outside inference mode, so later training may write to it. On the
     host it is a memory map of its own, whose pages the kernel zero-fills on their first write: a gradient
-    shard costs no memory until backward writes it (zeroing 1 GB per rank up front took 2.4 s of a 1B
-    model's 9 s load on 4 ranks, and a frozen unit's pages are never written)."""
+    shard costs no memory until backward writes it (zeroing it up front would cost a large share of a
+    load's time, and a frozen unit's pages are never written)."""
     if torch.device(device).type == "cpu":
         return _mapped(numel, dtype)
     with torch.inference_mode(False):
@@ -210,8 +207,8 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 def populate(tensor: torch.Tensor) -> None:
     """Fault in the pages under a host ``tensor`` that is about to be written whole, in one call: the
-    kernel maps them in bulk instead of one fault per page as the writes reach them (4 ranks casting 1 GB
-    each into fresh memory: 1.0 s against 1.7-1.9 s). Contents are unchanged; a no-op on kernels
+    kernel maps them in bulk instead of one fault per page as the writes reach them. Contents are
+    unchanged; a no-op on kernels
     without it and for accelerator tensors."""
     if tensor.device.type != "cpu" or _LIBC is None or tensor.numel() == 0:
         return
@@ -375,17 +372,15 @@ def map_large_temporaries() -> None:
     glibc serves an allocation at or above its mmap threshold (128 KiB at start) with a map of its own,
     unmapped when freed; but it raises the threshold to the size of every mapped block that is freed (up
     to 32 MiB). Autograd computes each weight's gradient into a new tensor, adds it into the unit's
-    landing buffer (see [Note: gradients land in a pooled buffer] in shard/flat_group.py) and frees it: after the
-    first such multi-MB block is freed, the later ones come from the heap, and the heap held their freed
-    space resident. Measured through backward of a 32-block GPT (768 wide, gradients of 7-9 MB): the
-    heap grew to 1.17 GB of which 1.02 GB free, the process peaked at 1434 MiB against 915 MiB with the
-    threshold fixed (NVMe offload, one process; the step time did not change there). ``mallopt`` fixes the threshold (and turns off its
-    adjustment), so every host temporary of 4 MiB or more is a map that goes back to the kernel when it
-    is freed; smaller ones use the heap as before. The setting is process-wide: the user's own large host
-    tensors are mapped too (they fault fresh pages in on first use instead of reusing heap pages). That
-    costs compute time where activations are large: the benchmark GPT (activations of 4-7 MB) stepped at
-    1.30x DDP's time with it against 1.22x without, in one measurement. So only engines that offload to host
-    memory or NVMe (the runs sized by their host memory) set it; others keep glibc's default."""
+    landing buffer (see [Note: gradients land in a pooled buffer] in engine/shard/flat_group.py) and frees it: after the
+    first such multi-MB block is freed, the later ones come from the heap, and the heap holds their freed
+    space resident: most of the heap a backward leaves behind is free, yet counts in the process's peak.
+    ``mallopt`` fixes the threshold (and turns off its adjustment), so every host temporary of 4 MiB or
+    more is a map that goes back to the kernel when it is freed; smaller ones use the heap. The setting is
+    process-wide: the user's own large host tensors are mapped too (they fault fresh pages in on first use
+    instead of reusing heap pages). That costs compute time where activations are large, so only engines
+    that offload to host memory or NVMe (the runs sized by their host memory) set it; others keep glibc's
+    default."""
     if _LIBC is None or not hasattr(_LIBC, "mallopt") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     _LIBC.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
@@ -406,23 +401,17 @@ def keep_heap_top() -> None:
 
     [Note: the heap keeps its top between steps]
     glibc gives the free top of its heap back to the kernel whenever it grows past the trim threshold,
-    which it adapts to twice the largest mapped block freed so far (about 15 MB on the benchmark GPT,
-    whose largest temporaries are 7.3 MB). Under DDP the gradients autograd makes in backward live on
+    which it adapts to twice the largest mapped block freed so far. Under DDP the gradients autograd makes in backward live on
     until the next step's ``zero_grad`` and pin the heap. Under zero3 each gradient is added into its
     unit's landing buffer and freed at once, so as backward frees the last layers' activations the top
     of the heap grows past the threshold, is trimmed, and the next allocations fault fresh pages in, each
-    zeroed by the kernel: 1,800-9,400 page faults per step in the compute thread of a rank, 19-47 ms of
-    system time per step (DDP's compute thread: none), on the benchmark GPT on 2 CPU ranks. With both
-    thresholds fixed at the ceilings (``mallopt``; setting either turns glibc's adaptation off, so both
-    are set) the same steps faulted 3-85 pages, except in about one run in five, where the heap's layout
-    (allocation order differs from run to run) still left more than 64 MiB free at its top: 13,000-17,000
-    faults per forward (54 MB of the heap, found by tracing the faults' addresses), that run's step 5%
-    slower. A trim that leaves 64 MiB in place (``M_TOP_PAD``) covers that: 9 runs in 9 without it, for a
-    peak RSS of 948-1003 MiB per rank against 926-939 without the pad (DDP: 1094). A trim threshold of
-    1 TiB (never trim) also removed the faults, but peaked at 944-983 MiB: what backward allocates
-    outside the heap (the gradient shards' first pages) then stacks on the heap's whole high-water mark.
-    The whole-run peak of ``benchmark_memory.py --strategies zero3 --capacity-layers 0`` (2 runs): 1715 /
-    1661 MiB per rank with this policy, 1714 / 1814 with glibc's own. Engines that offload map their large
+    zeroed by the kernel: thousands of page faults per step in the compute thread, where DDP's has none.
+    With both thresholds fixed at the ceilings (``mallopt``; setting either turns glibc's adaptation off,
+    so both are set) a step faults almost nothing, except where the heap's layout (allocation order
+    differs from run to run) still leaves more than the trim threshold free at its top; a trim that leaves
+    64 MiB in place (``M_TOP_PAD``) covers that too, at a slightly higher peak. Never trimming also removes
+    the faults, but then what backward allocates outside the heap (the gradient shards' first pages)
+    stacks on the heap's whole high-water mark, a higher peak still. Engines that offload map their large
     temporaries instead and trim after every step ([Note: large temporaries are mapped]); on an
     accelerator the host heap is not where training's memory is, and it is left alone."""
     if _LIBC is None or not hasattr(_LIBC, "mallopt") or any(name in os.environ for name in ALLOCATOR_VARIABLES):
@@ -439,18 +428,17 @@ def return_free_heap() -> None:
     The engine's own large buffers are mappings of their own (above), but large temporaries of the code
     around it (activations, a user's ``torch.randn`` while initialising, autograd's gradients) come from
     glibc's heap, which only shrinks from its top: small long-lived allocations made in between pin it, and
-    the freed space in the middle stays resident (a loop over 20 units that initialises each with two 4 MB
-    temporaries left 85 MB of free heap resident, measured). The engine calls this where a phase ends
+    the freed space in the middle stays resident (a loop over units that initialises each with a few
+    multi-MB temporaries leaves most of them resident). The engine calls this where a phase ends
     (after a model is built on the meta device, ``fit``, a ``gathered_parameters`` block, a checkpoint;
     after every optimizer step only for runs sized by their host memory, see the next note): the
-    allocator's policy is untouched, the free pages just leave. It costs about 10-20 ms on a heap of a few hundred MB.
+    allocator's policy is untouched, the free pages just leave, at a cost of milliseconds.
 
     [Note: the heap between steps]
     Between two training steps the free heap is mostly the last step's activations, which the next step
     allocates again at the same sizes. Trimming it there makes the next step fault every page of them in
-    afresh (zeroed by the kernel): on the benchmark GPT (2 CPU ranks, about 360 MB of free heap per rank
-    after each step) that cost 0.09x of DDP's step time (1.22x against 1.13x), for a whole-run peak 68 MiB
-    lower (944 against 1012 MiB per rank). So only engines sized by their host memory (the same ones that
+    afresh (zeroed by the kernel): a slower step for a lower whole-run peak. So only engines sized by
+    their host memory (the same ones that
     map large temporaries, above) trim after every optimizer step; the others trim where a phase ends.
     Parked pages (see parking.py) go back to the kernel here too."""
     parking.flush()

@@ -2,27 +2,24 @@
 
 [Note: released pages are parked]
 A gathered buffer on the host is a memory map of its own, released with ``madvise(MADV_DONTNEED)`` (see
-[Note: releasing gathered buffers] in memory/buffers.py). The next gather into any buffer then faults every page
+[Note: releasing gathered buffers] in buffers.py). The next gather into any buffer then faults every page
 in afresh, and the kernel zeroes each one first; a direct read from the disk into such a buffer also
-runs slower (two 43 MB reads at once: 2.0 GB/s into fresh pages, 2.6 GB/s into present ones, measured).
-One process generating with 75% of its weights resident and two cold units read from NVMe per token took
-44-56 ms per token (median 47) that way, and takes 39-43 ms with parked pages (about 40 ms with every
-unit resident). Units of a model mostly have
-the same size (the blocks of a transformer), and one unit is released about when the next one is
+runs slower than into present pages. Generation that streams cold units from NVMe pays both per token.
+Units of a model mostly have the same size (the blocks of a transformer), and one unit is released about when the next one is
 gathered. So the last released buffers keep their pages ("parked", counted by the ledger as staging
 bytes), and:
 
 - gathering that same buffer again takes its pages back where they are (no copy, no fault);
 - gathering another buffer of the same length moves the pages into it with
   ``mremap(MREMAP_DONTUNMAP)``: the page tables move, the parked buffer is left empty (reads zeros, as a
-  released buffer may), no page is zeroed or copied (about 0.5 ms for 45 MB);
+  released buffer may), no page is zeroed or copied;
 - at most ``PARKED_BUFFERS`` buffers are parked: releasing one more hands the oldest's pages back to the
   kernel, as ``flush`` does for all where a phase ends (after ``fit``, a stage, a checkpoint).
 
 A buffer moved into must hold no pages of its own: only buffers released through this module (and not
 reclaimed since) are moved into, and only a buffer that is parked is moved from. On kernels without
-``MREMAP_DONTUNMAP`` (before Linux 5.7) the first failed move turns parking off: buffers are released as
-before.
+``MREMAP_DONTUNMAP`` (before Linux 5.7) the first failed move turns parking off: buffers are then
+released with ``madvise`` alone.
 """
 
 from __future__ import annotations

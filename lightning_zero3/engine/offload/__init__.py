@@ -11,7 +11,7 @@ streamed to the device just in time.
 - ``swapdir.py``        the private swap folder: checks, allocation, clean-up (also after a crash)
 - ``copies.py``         device <-> host copies (side stream and pinned staging on CUDA)
 
-Imports: ``memory`` (and the package's ``errors``); the shard above hands each store the views it needs.
+Imports: ``memory`` (and the package's ``errors``, and ``config`` for the tier names); the shard above hands each store the views it needs.
 """
 
 from .aio import AsyncFileIO, IOStats

@@ -11,9 +11,8 @@ like.
 
 [Note: direct reads]
 A buffered read costs the CPU a copy from the page cache into the tensor, and dropping those pages again
-afterwards (below): measured on this 2-core machine, 0.26-0.76 CPU seconds per GB read, against 0.04 s
-for the same reads with ``O_DIRECT``, where the disk writes straight into the tensor's pages (and the
-bandwidth was the same or better: 2.1-2.3 GB/s against 1.7-2.4). Streaming a model from NVMe reads
+afterwards (below): many times the CPU time of the same reads with ``O_DIRECT``, where the disk writes
+straight into the tensor's pages, at the same bandwidth or better. Streaming a model from NVMe reads
 several times its size per step (per generated token, in inference), so that CPU time competes with
 compute. So every swap file also has an ``O_DIRECT`` descriptor (where the file system allows one), and a
 read whose tensor and file offset are aligned to ``DIRECT_ALIGN`` bytes (the engine's host buffers are

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ...config.settings import OffloadTier
 from ..memory.buffers import OFFLOAD_HOST, PARAM_SHARDS, ByteLedger, host_buffer, reclaim, release
 from .store import MASTER, GroupStore
 
@@ -40,7 +41,7 @@ class ParamSource:
         self.pending_read: Optional[tuple[Future, torch.Tensor]] = None  # nvme read-ahead
         self.publish_event = None  # master -> device shard (tier None), waited for by the all-gather
         self.filled = True  # the device shard holds valid values (always so for tier None)
-        if self.tier == "cpu" and self.offload.nvme:
+        if self.tier == OffloadTier.CPU and self.offload.nvme:
             self.host_copy = host_buffer(store.numel, store.dtype)
             self.ledger.add(OFFLOAD_HOST, self.nbytes)
             self.host_copy.copy_(shard)  # the initial master values (the store may have swapped them out)
@@ -66,7 +67,7 @@ class ParamSource:
     def refresh(self) -> None:
         """The master changed in its tier behind the step's back (a checkpoint was loaded): bring what
         all-gathers read up to date, reading the master from its swap file if need be."""
-        if self.tier == "nvme" or (self.tier == "cpu" and not self.offload.nvme):
+        if self.tier == OffloadTier.NVME or (self.tier == OffloadTier.CPU and not self.offload.nvme):
             return  # the all-gather reads the master itself, just in time
         pooled = None
         master = self.store.master
@@ -85,7 +86,7 @@ class ParamSource:
         """Read the parameter shard from its swap file ahead of the all-gather that needs it. On a host
         device the read lands in the shard itself (no staging buffer, no copy); a device read needs a host
         buffer to land in first."""
-        if self.tier != "nvme" or self.store.resident or self.pending_read is not None:
+        if self.tier != OffloadTier.NVME or self.store.resident or self.pending_read is not None:
             return
         if self.shard.device.type == "cpu" and not self.offload.copies.cuda:
             self._claim()
@@ -111,7 +112,7 @@ class ParamSource:
             return self.shard
         if self.pending_read is None or self.pending_read[1] is not None:
             self._claim()
-        if self.store.resident or self.tier == "cpu":
+        if self.store.resident or self.tier == OffloadTier.CPU:
             source = self.store.master if self.store.resident else self.host_copy
             event = copies.copy(self.shard, source)
             copies.wait_on_device(event)

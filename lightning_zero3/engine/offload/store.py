@@ -29,7 +29,7 @@ changes to its copy, so later passes see the same values the step will.
 Copies between the device and the host may run on a side stream (CUDA): every copy returns an event and
 nothing reads or rewrites the copy's target (or source) before waiting on it. On a CPU device the copy is
 done when it returns, which is why tests run this code under a copy engine that completes copies late on a
-thread (``tests/late_copies.py``): a missing wait then shows up as wrong numbers.
+thread (``tests/helpers/late_copies.py``): a missing wait then shows up as wrong numbers.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ class GroupStore:
         self.states = {}
         self._evict()
         if created:  # the optimizer's own state tensors (heap) were copied into our buffers and dropped
-            return_free_heap()  # [Note: the heap between phases] in memory/buffers.py
+            return_free_heap()  # [Note: the heap between phases] in engine/memory/buffers.py
 
     def _evict(self) -> None:
         """Placeholders in place of everything now on disk (see [Note: NVMe-tier residency]); one empty

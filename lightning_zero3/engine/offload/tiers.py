@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...config.settings import OffloadTier
 from ..memory.buffers import OFFLOAD_HOST, BufferPool, ByteLedger
 from .aio import AsyncFileIO
 from .copies import DeviceHostCopies
@@ -24,12 +25,12 @@ COPY_ENGINE = DeviceHostCopies
 
 class OffloadTiers:
     def __init__(self, config, ledger: ByteLedger, device: torch.device, rank: int) -> None:
-        self.optimizer_tier: str = config.offload_optimizer
-        self.param_tier: Optional[str] = config.offload_params
+        self.optimizer_tier: OffloadTier = config.offload_optimizer
+        self.param_tier: Optional[OffloadTier] = config.offload_params
         self.ledger = ledger
         self.copies = COPY_ENGINE(device, config.offload_pin_memory, ledger)
         self.buffer_count = config.offload_buffer_count
-        self.nvme = self.optimizer_tier == "nvme"
+        self.nvme = self.optimizer_tier == OffloadTier.NVME
         self.swap = SwapDirectory(config.nvme_path, rank) if self.nvme else None
         self.io = AsyncFileIO(config.offload_buffer_size * 4, threads=IO_THREADS) if self.nvme else None
         # Host buffers for swap-ins, write-behind and staging. Idle ones are kept for reuse up to what

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ...config.settings import OffloadTier
 from .estimate import PLANS, Job, PlanEstimate, estimate_plan
 from .facts import Activations, ModelFacts
 
@@ -39,7 +40,7 @@ def choose_plan(facts: ModelFacts, activations: Activations, job: Job, offload_o
     and a sentence saying why. Raises ``NothingFitsError`` when nothing fits ``job.device_memory``."""
     tried: list[PlanEstimate] = []
     for name, opt, par in allowed_plans(offload_optimizer, offload_params):
-        counts = range(job.buffer_count, 1, -1) if opt == "nvme" else [job.buffer_count]
+        counts = range(job.buffer_count, 1, -1) if opt == OffloadTier.NVME else [job.buffer_count]
         for prefetch in dict.fromkeys([job.prefetch_numel, 0]):
             sized = dataclasses.replace(job, prefetch_numel=prefetch)
             for count in counts:

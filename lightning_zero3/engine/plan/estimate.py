@@ -33,16 +33,17 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from ...config.settings import OffloadTier
 from .facts import Activations, ModelFacts
 
 #: (name, offload_optimizer, offload_params), lightest first: each plan moves more off the device, and costs
 #: more time per step, than the one before it.
 PLANS = (
     ("none", None, None),
-    ("optimizer->cpu", "cpu", None),
-    ("all->cpu", "cpu", "cpu"),
-    ("optimizer->nvme", "nvme", None),
-    ("all->nvme", "nvme", "nvme"),
+    ("optimizer->cpu", OffloadTier.CPU, None),
+    ("all->cpu", OffloadTier.CPU, OffloadTier.CPU),
+    ("optimizer->nvme", OffloadTier.NVME, None),
+    ("all->nvme", OffloadTier.NVME, OffloadTier.NVME),
 )
 
 
@@ -131,9 +132,7 @@ def estimate_plan(name: str, offload_optimizer: Optional[str], offload_params: O
     # a bound) keeps every buffer it has handed out, for reuse at the same size: per unit size the gather's
     # landing, the gradient landing buffer and the reduce-scatter send buffer (three full units), the reduced
     # and the source shards (two shards), and the next unit's landing while one is reduced (one full unit
-    # more). Measured on the GPT of 40M parameters at 2 CPU ranks: the ledger's peak ``staging_buffers``
-    # 101.7 MB, 81.4 MB held between steps; counting two full units here left the plan's estimate 50-80 MB
-    # below the run's peak (optimizer->nvme at 817-863 MB under a budget of 800 MB)
+    # more); counting fewer leaves the estimate below the run's peak, and a plan chosen by it over budget
     largest = facts.largest_unit_numel
     grad_staging = (facts.root_numel + 4 * largest + 2 * math.ceil(largest / facts.world_size)) * job.reduce_bytes
     # the running unit's backward: its saved tensors are freed as they are used, while its gradients
@@ -145,21 +144,21 @@ def estimate_plan(name: str, offload_optimizer: Optional[str], offload_params: O
     count = buffer_count if buffer_count is not None else job.buffer_count
     largest_group = max(facts.group_shard_numels, default=0) * m
     staging = 0
-    if offload_optimizer == "nvme":
+    if offload_optimizer == OffloadTier.NVME:
         staging = count * (2 + job.state_per_element) * largest_group
-        if offload_params == "nvme":
+        if offload_params == OffloadTier.NVME:
             staging += count * largest_group
 
     on_device = {"params": params, "grads": grads, "state": state}
     on_host = {}
     on_nvme = {}
-    if offload_optimizer == "cpu":
+    if offload_optimizer == OffloadTier.CPU:
         on_host.update(grads=on_device.pop("grads"), state=on_device.pop("state"))
-    elif offload_optimizer == "nvme":
+    elif offload_optimizer == OffloadTier.NVME:
         on_nvme.update(grads=on_device.pop("grads"), state=on_device.pop("state"))
-    if offload_params == "cpu":
+    if offload_params == OffloadTier.CPU:
         on_host["params"] = on_device.pop("params")
-    elif offload_params == "nvme":
+    elif offload_params == OffloadTier.NVME:
         on_nvme["params"] = on_device.pop("params")
     transient = persistent + gathered + grad_staging + act
     device = sum(on_device.values()) + transient + job.baseline_device

@@ -10,7 +10,7 @@ The engine is built before any training step, so it cannot see one. Measuring th
 choosing then would be too late: by then the weights are placed in the tiers of some plan. So the
 strategy measures a step on the meta device before the engine is built, as ``lightning-zero3 estimate``
 does (``measure_activations``): the LightningModule's own ``training_step`` on a meta batch shaped like
-the job's (one sample of the training set, repeated to the loader's batch size; see strategy.py). That
+the job's (one sample of the training set, repeated to the loader's batch size; see frontends/trainer/strategy.py). That
 needs the model's parameters still on the meta device (built in ``configure_model`` or under
 ``Trainer.init_module(empty_init=True)``, the way a model too big for one process is built anyway) and a
 map-style training set. Where either is missing the activations count as 0, the log says so, and the
@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ...config import Zero3Config, parse_budget
+from ...config.settings import Zero3Config, parse_budget
+from ..memory.proc import MEMINFO, STATUS, kib_field_bytes
 from .choose import choose_plan
 from .estimate import Job, PlanEstimate
 from .facts import Activations, model_facts
@@ -38,19 +39,11 @@ MARGIN = 0.10  # of free memory left aside when memory_budget is "auto"
 
 
 def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return kib_field_bytes(STATUS, key) or 0
 
 
 def _available_host() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return kib_field_bytes(MEMINFO, "MemAvailable") or 0
 
 
 def budget_bytes(config: Zero3Config, device: torch.device, local_ranks: int) -> int:

@@ -12,7 +12,7 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bo
     ``groups[0]`` is needed at once unless ``first_needed`` is False (every group is gathered ahead).
 
     Groups smaller than ``coalesce_below`` elements share one all-gather (one per route, see
-    [Note: gather routes] in gather.py).
+    [Note: gather routes] in engine/shard/gather.py).
 
     [Note: coalesced all-gather]
     An all-gather concatenates the ranks' inputs rank by rank. Each rank sends its shards of several
@@ -22,8 +22,8 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bo
     [Note: gathers ahead do not wait for the disk]
     Issuing a gather reads its input, and under NVMe offload that waits for the shard's read from the
     disk. Gathered ahead while its read is still in flight, a unit would make the compute
-    wait for the disk right where the read was issued instead of where the unit runs: with 75% of a
-    model resident, generation took 89 ms per token, the 45 ms of compute plus the 42 ms of reading. With
+    wait for the disk right where the read was issued instead of where the unit runs, so a token would
+    take the compute plus the reading instead of the longer of the two. With
     one process the gather is the read itself (the shard is the gathered buffer), so such a unit is left
     to its own start, and the read runs behind the compute of the units before it. With several ranks
     every rank must issue the same gathers in the same order, and how far a read has got is this rank's
@@ -31,15 +31,15 @@ def start_gathers(groups: list[FlatGroup], coalesce_below: int, first_needed: bo
 
     [Note: a blocking check takes the gathers ahead along]
     Gathers ahead of need are agreed on at one start and issued at the next (see [Note: checks run a unit
-    ahead] in agreement.py), so they lead the compute by one unit less than they were chosen for. Where
+    ahead] in engine/comm/agreement.py), so they lead the compute by one unit less than they were chosen for. Where
     the unit starting must be agreed on while everyone waits anyway (the first unit of a pass, a unit the
     prefetch missed), the gathers ahead join that check and are issued right after the needed one: no
-    round trip more, and the first units prefetched in a pass lead by a whole unit (measured on the
-    benchmark GPT: the second block of each forward waited 16-20 ms for a gather issued at its own start).
+    round trip more, and the first units prefetched in a pass lead by a whole unit (else the second block
+    of each forward waits for a gather issued at its own start).
     """
     check = groups[0].check
     if check is not None:
-        check.settle()  # gathers agreed on ahead go first: see [Note: checks run a unit ahead] in agreement.py
+        check.settle()  # gathers agreed on ahead go first: see [Note: checks run a unit ahead] in engine/comm/agreement.py
     needed = groups[:1] if first_needed else []
     ahead = [g for g in groups[len(needed) :] if not g.read_in_flight_alone()]
     # once each (a trace in which a unit repeats, a module called twice, may name it twice)

@@ -10,7 +10,7 @@ Backward: the pre-backward hook (first gradient reaching an output) re-gathers. 
           (``grads.ReductionQueue``), which reduce-scatters in an order every rank shares.
 End:      a callback queued on the autograd engine ends every unit's backward, lets the queue finish and
           releases everything not held by a running forward.
-The reasons that keep a unit gathered, and its states within a backward, are in ``runtime.py``.
+The reasons that keep a unit gathered, and its states within a backward, are in ``shard/runtime.py``.
 
 [Note: post-backward signal]
 A unit whose parameters did not all get a gradient (an expert no token was routed to, a frozen unit)
@@ -69,7 +69,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..comm.agreement import ExecutionOrderError
 from ..grads.reduction import ReductionQueue
-from ..shard.runtime import PostBackwardToken, UnitRuntime
+from ..shard.runtime import BackwardPhase, PostBackwardToken, UnitRuntime
 from .gathers import start_gathers
 from .prefetch import Schedule
 from .residency import Residency
@@ -195,7 +195,7 @@ class HookManager:
         forward whose output was not backpropagated), so they are released, and this forward's memory is
         the same as every step's. A backward that does come later gathers them at its units' starts."""
         for runtime in self.runtimes:
-            if runtime.backward_hold and not runtime.backward_started:
+            if runtime.backward_hold and runtime.phase is BackwardPhase.IDLE:
                 runtime.backward_hold = False
         self._release_unheld()
 
@@ -214,7 +214,7 @@ class HookManager:
     def _begin_backward_at(self, tensors: list[torch.Tensor]) -> None:
         """[Note: the persistent group lands when backward begins]
         The persistent group has no module of its own, so no unit's pre-backward hook lands its
-        gradients (see [Note: gradients land in a pooled buffer] in shard/flat_group.py); left alone, autograd
+        gradients (see [Note: gradients land in a pooled buffer] in engine/shard/flat_group.py); left alone, autograd
         allocated each of its parameters' gradients, and packing copied them one by one, a kernel each
         on a GPU: the biases and norms of every block under ``persistence_threshold``, and the whole
         model where every parameter is small. So the group lands when backward begins: at a hook on the
@@ -232,9 +232,8 @@ class HookManager:
     def _gather_ahead_for_backward(self) -> None:
         """A forward that backward will follow ended: agree now on the first gathers of the backward, so
         that its first start issues them at once instead of agreeing on them there, a unit late (see
-        [Note: a blocking check takes the gathers ahead along] in shard/flat_group.py). Measured on the benchmark
-        GPT: the first block gathered in backward waited 25 ms per step for a gather issued at its own
-        start. A forward whose backward never comes leaves them gathered until the next forward starts
+        [Note: a blocking check takes the gathers ahead along] in gathers.py), else the first block gathered
+        in backward waits for a gather issued at its own start. A forward whose backward never comes leaves them gathered until the next forward starts
         (``_drop_holds_for_a_backward_not_run``)."""
         ahead = self.schedule.ahead_of_next("backward", from_start=True)
         if ahead:
@@ -281,7 +280,7 @@ class HookManager:
                 if needing and (runtime is self.root or self.schedule.keep_for_backward(runtime)):
                     runtime.backward_hold = True
                 if needing:
-                    runtime.group.keep_secondary_on_release()  # [Note: secondary shards] in secondary.py
+                    runtime.group.keep_secondary_on_release()  # [Note: secondary shards] in engine/shard/secondary.py
             runtime.maybe_release()
 
         return hook
@@ -291,11 +290,9 @@ class HookManager:
     def _register_pre_backward(self, runtime: UnitRuntime, tensors: list[torch.Tensor]) -> None:
         def hook(grad: torch.Tensor) -> None:
             self._begin_backward()
-            if not runtime.backward_started and not runtime.backward_over:
-                runtime.backward_started = True
-                runtime.backward_hold = True
+            if runtime.start_backward():
                 self._start("backward", runtime)
-                runtime.group.land_gradients()  # [Note: gradients land in a pooled buffer] in shard/flat_group.py
+                runtime.group.land_gradients()  # [Note: gradients land in a pooled buffer] in engine/shard/flat_group.py
             self.queue.advance()
 
         for tensor in tensors:
@@ -320,7 +317,7 @@ class HookManager:
         def hook(param: torch.Tensor) -> None:
             if not self._backward_running:  # _begin_backward's own check, inline: this hook runs per parameter
                 self._begin_backward()
-            if runtime.reduced:
+            if runtime.phase is BackwardPhase.REDUCED:
                 raise _late_gradient(runtime, param)
             runtime.grads_ready += 1
             if runtime.all_grads_in():
@@ -380,7 +377,7 @@ def _check_no_late_gradients(runtimes: list[UnitRuntime]) -> None:
 
 
 def _check_trainable_set(runtimes: list[UnitRuntime]) -> None:
-    """[Note: the trainable set is fixed at setup] in shard/flat_group.py."""
+    """[Note: the trainable set is fixed at setup] in engine/shard/flat_group.py."""
     changed = [name for runtime in runtimes for name in runtime.group.requires_grad_changed()]
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")

@@ -6,7 +6,7 @@ across ranks (``OrderCheck.check_traces``, one tiny collective where the ranks w
 reduce-scatters anyway): the reduction order is derived from the backward trace, so it must be the same
 everywhere, and a rank whose order changed differently from the others' fails there, on every rank,
 with the differing units named. (Whether ranks gather the same units is checked at every gather, see
-[Note: every all-gather is checked] in agreement.py.)
+[Note: every all-gather is checked] in engine/comm/agreement.py.)
 
 After that, the traces drive prefetch: when a unit starts, the next units in the trace are gathered
 asynchronously, as many as fit in ``prefetch_bucket_size`` elements, with at most
@@ -194,7 +194,7 @@ class Schedule:
         if not candidates:  # everything ahead is gathered or on its way (one process keeps every unit so)
             return []
         # Gathers in flight once this start is over. Gathers agreed on ahead are issued at the next start
-        # (see [Note: checks run a unit ahead] in agreement.py), when the unit starting now is no longer
+        # (see [Note: checks run a unit ahead] in engine/comm/agreement.py), when the unit starting now is no longer
         # in flight: it is not counted then, so the same number of gathers is issued ahead of need.
         issued_next = starting if self.check.checks_ahead else None
         live = inflight = 0  # elements gathered or on their way; gathers in flight (one pass: every start asks)

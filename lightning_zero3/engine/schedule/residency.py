@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ...config import Budget, parse_budget
+from ...config.settings import Budget, parse_budget
 from ..memory import parking
 
 #: profile calls: the first warms the prefetch pipeline and the allocator, the next ones are measured

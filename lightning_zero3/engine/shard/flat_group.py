@@ -12,7 +12,7 @@ parameters therefore work unchanged over the shards.
 
 Words used below: the *master* is what the shard parameters view and the optimizer steps (``shard``
 itself without offload); ``shard`` is the device-side source of this rank's all-gathers; ``full`` is the
-gathered buffer the user's parameters view (see [Note: releasing gathered buffers] in memory/buffers.py). Under
+gathered buffer the user's parameters view (see [Note: releasing gathered buffers] in engine/memory/buffers.py). Under
 offload the master lives in a ``GroupStore`` (host memory or NVMe) and the all-gather source is refilled
 by a ``ParamSource``; the group hands both the views they need and then only calls them.
 """
@@ -28,7 +28,6 @@ from torch import nn
 from ..comm.communicator import Communicator
 from ..layout.released import engine_access, mark_gathered, mark_released
 from ..layout.slots import DtypePolicy, ParamSlot
-from ..layout.sources import TensorValue
 from ..memory.buffers import (
     GATHERED_PARAMS,
     GRAD_SHARDS,
@@ -51,6 +50,18 @@ if TYPE_CHECKING:
     from .secondary import SecondaryShard
 
 
+def _one_dtype(name: str, named_params: list[tuple[str, nn.Parameter]]) -> torch.dtype:
+    if not named_params:
+        raise ValueError(f"flat group {name!r} has no parameters")
+    own_dtypes = {p.dtype for _, p in named_params}
+    if len(own_dtypes) != 1:
+        raise TypeError(
+            f"zero3: unit {name!r} mixes parameter dtypes {sorted(map(str, own_dtypes))}; convert the model "
+            "to one dtype before training (the `precision` flag does this for you)."
+        )
+    return own_dtypes.pop()
+
+
 class FlatGroup:
     """Parameters that are gathered, released and reduced together."""
 
@@ -71,53 +82,61 @@ class FlatGroup:
         stays_gathered: bool = False,
     ) -> None:
         """``loaded``: ids of parameters whose values will be read from a checkpoint once every group is
-        built (see [Note: loading straight into shards] in sources.py). ``stays_gathered``: one process
+        built (see [Note: loading straight into shards] in engine/layout/sources.py). ``stays_gathered``: one process
         with nothing to shard, see [Note: one process keeps its units gathered]."""
-        if not named_params:
-            raise ValueError(f"flat group {name!r} has no parameters")
-        own_dtypes = {p.dtype for _, p in named_params}
-        if len(own_dtypes) != 1:
-            raise TypeError(
-                f"zero3: unit {name!r} mixes parameter dtypes {sorted(map(str, own_dtypes))}; convert the model "
-                "to one dtype before training (the `precision` flag does this for you)."
-            )
         self.name = name
         self.comm = comm
         self.ledger = ledger
         self.pool = pool  # staging buffers: coalesced gathers, compute-dtype sources, full-weight exports
         self.persistent = persistent
         self.stays_gathered = stays_gathered
-        self.dtype = own_dtypes.pop()  # the master dtype
+        self.dtype = _one_dtype(name, named_params)  # the master dtype
         self.compute_dtype = dtypes.compute or self.dtype
         self.reduce_dtype = dtypes.reduce or self.dtype
-        world, rank = comm.world_size, comm.rank
         total = sum(p.numel() for _, p in named_params)
-        self.shard_numel = -(-total // world)  # ceil division
+        self.shard_numel = -(-total // comm.world_size)  # ceil division
         self.numel = total
-        # one process, its master in the compute dtype: the master (the shard) is the full buffer (set below);
-        # not so under offload, whose master lives in its tier
-        self.master_is_full = stays_gathered and offload is None and self.compute_dtype == self.dtype
+        self.trainable = any(p.requires_grad for _, p in named_params)
+        self._allocate_shards(offload, device)
+        self._build_full(named_params, device, materializer, sync_from_rank0, loaded)
+        self.store: Optional["GroupStore"] = offload.new_store(self.shard, self.trainable) if offload is not None else None
+        aliased = self._alias_shard_and_full(offload, device)
+        self._make_slots(named_params)
+        self._start_gathered()
+        if offload is not None and self.store is not None:
+            self._bind_store(offload, aliased)
+
+    # -- construction, step by step (in the order ``__init__`` runs them) ----------------------------------
+
+    def _allocate_shards(self, offload: Optional["Offload"], device: torch.device) -> None:
+        """This rank's master shard (unless the master is the full buffer) and gradient shard."""
+        # one process, its master in the compute dtype: the master (the shard) is the full buffer (set in
+        # _build_full); not so under offload, whose master lives in its tier
+        self.master_is_full = self.stays_gathered and offload is None and self.compute_dtype == self.dtype
         if not self.master_is_full:
             # small pages unless offload refills it from its tier at every gather: [Note: shards are in small pages]
             self.shard = releasable_buffer(self.shard_numel, self.dtype, device, huge=offload is not None)
             self.ledger.add(PARAM_SHARDS, self._nbytes(self.shard))
-        self.trainable = any(p.requires_grad for _, p in named_params)
         # under offload the gradient shard lives with the master, in the store
         self.grad_shard = new_buffer(self.shard_numel, self.dtype, device) if self.trainable and not offload else None
         if self.grad_shard is not None:
             self.ledger.add(GRAD_SHARDS, self._nbytes(self.grad_shard))
 
+    def _build_full(self, named_params: list[tuple[str, nn.Parameter]], device: torch.device,
+                    materializer: Optional["Materializer"], sync_from_rank0: bool, loaded: Collection[int]) -> None:  # fmt: skip
+        """The full buffer, filled (initialised from the meta device, or the parameters' values, the same
+        on every rank) and cut into this rank's shard; it stays gathered."""
         # every value comes from a checkpoint: nothing to initialise, broadcast or copy (the shard is read
         # into once every group is built), and the full buffer is released untouched
         from_checkpoint = all(id(p) in loaded for _, p in named_params)
         with torch.no_grad():
             # One buffer of the full (padded) size is alive per group while it is built; it becomes ``full``
             # when the compute dtype is the master dtype, so building a unit costs one unit's bytes.
-            master = releasable_buffer(self.shard_numel * world, self.dtype, device)
+            master = releasable_buffer(self.shard_numel * self.comm.world_size, self.dtype, device)
             self.ledger.add(self._full_category, self._nbytes(master))
             if materializer is not None and any(p.is_meta for _, p in named_params):
-                # built straight from the meta device: see [Note: sharded initialisation] in materialize.py
-                materializer.fill(named_params, master[:total])
+                # built straight from the meta device: see [Note: sharded initialisation] in engine/layout/materialize.py
+                materializer.fill(named_params, master[: self.numel])
                 sync_from_rank0 = True  # rank 0 initialised it
             elif not from_checkpoint:
                 offset = 0
@@ -125,8 +144,8 @@ class FlatGroup:
                     master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                     offset += p.numel()
             if sync_from_rank0 and not from_checkpoint:
-                comm.broadcast(master, src=0)
-            start = rank * self.shard_numel
+                self.comm.broadcast(master, src=0)
+            start = self.comm.rank * self.shard_numel
             if self.master_is_full:
                 self.shard = master
             elif not from_checkpoint:
@@ -140,9 +159,10 @@ class FlatGroup:
                     self.full.copy_(master)
                 self.ledger.remove(self._full_category, self._nbytes(master))
             del master
-        self.store: Optional["GroupStore"] = offload.new_store(self.shard, self.trainable) if offload is not None else None
-        aliased = self._alias_shard_and_full(offload, device)
 
+    def _make_slots(self, named_params: list[tuple[str, nn.Parameter]]) -> None:
+        """Each parameter: a view of ``full`` for the model, its range of the shard for the optimizer."""
+        start = self.comm.rank * self.shard_numel
         self.slots: list[ParamSlot] = []
         offset = 0
         for name_, p in named_params:
@@ -156,25 +176,29 @@ class FlatGroup:
             offset += p.numel()
         self._set_slot_views()
 
+    def _start_gathered(self) -> None:
+        """The live state of a group just built: gathered, no gradients landed, no gather in flight."""
         self.gathered = True
         self.gathers = 0  # all-gathers issued into ``full`` (for tests and the residency profile)
         self.landing: Optional[torch.Tensor] = None  # where this backward's gradients land (land_gradients)
         # per trainable slot, whether its ``.grad`` is a view of ``landing``; the landing buffer's version
-        # counter when they were set (see [Note: which parameters received a gradient] in arrivals.py)
+        # counter when they were set (see [Note: which parameters received a gradient] in engine/grads/arrivals.py)
         self.landed: list[bool] = []
         self.landed_version = 0
         self.pending: Optional[Then] = None  # an all-gather in flight into ``full`` (see gather.py)
-        # agrees with every rank on each all-gather before it is issued (set by the engine; see agreement.py)
+        # agrees with every rank on each all-gather before it is issued (set by the engine; see comm/agreement.py)
         self.check: Optional["OrderCheck"] = None
-        # how its all-gathers travel, set by the engine (see [Note: gather routes] in gather.py)
+        # how its all-gathers travel, set by the engine (see [Note: gather routes] in engine/shard/gather.py)
         self.quantized = False  # int8 blocks on the primary route
         self.secondary: Optional["SecondaryShard"] = None  # node-local copy for backward (secondary.py)
         self.source: Optional["ParamSource"] = None
-        if offload is not None and self.store is not None:
-            from ..offload import ShardView
 
-            self.store.bind([ShardView(s.shard_param, s.lo, s.hi, s.param.requires_grad) for s in self.slots])
-            self.source = offload.new_source(self.store, self.shard, aliased)
+    def _bind_store(self, offload: "Offload", aliased: bool) -> None:
+        """Offloaded: the store holds each trainable slot's range, and the source feeds the all-gathers."""
+        from ..offload import ShardView
+
+        self.store.bind([ShardView(s.shard_param, s.lo, s.hi, s.param.requires_grad) for s in self.slots])
+        self.source = offload.new_source(self.store, self.shard, aliased)
 
     def _alias_shard_and_full(self, offload: Optional["Offload"], device: torch.device) -> bool:
         """One process, parameters offloaded, on the host: the "all-gather" is a copy of the shard into
@@ -296,13 +320,9 @@ class FlatGroup:
                 self.store.offload.host.give(pooled)
             self.pool.give(flat)
 
-    def load_slice(self, slot: ParamSlot, full_value: torch.Tensor) -> None:
-        """Set this rank's piece of ``slot``'s parameter from the parameter's full value."""
-        self.load_piece(slot, TensorValue(full_value, "the state dict's value"))
-
     def load_piece(self, slot: ParamSlot, source: "TensorSource") -> None:
         """Set this rank's piece of ``slot``'s parameter from ``source``, read by element range (see
-        [Note: loading straight into shards] in sources.py); a persistent parameter's full copy is read
+        [Note: loading straight into shards] in engine/layout/sources.py); a persistent parameter's full copy is read
         whole. Not a collective: a gathered unit is stale until gathered again."""
         if source.shape.numel() != slot.numel:
             raise ValueError(
@@ -408,13 +428,12 @@ class FlatGroup:
         Left alone, autograd allocates every parameter's full gradient on its own, unit after unit, and
         the gradient is dropped as soon as it is packed for the reduce-scatter. On the host those multi-MB
         tensors come from glibc's heap, and the small allocations made in between carve up the holes they
-        leave, so the heap (and the resident set) grew by about a unit per unit through backward (measured:
-        +240 MB on 128 units of 4 MB). A gradient that already exists is accumulated into in place, so a
+        leave, so the heap (and the resident set) grows by about a unit per unit through backward. A gradient that already exists is accumulated into in place, so a
         zeroed view of a pooled buffer, set before the unit's backward starts, receives the gradient with
         no allocation; the buffer is then what the reduce-scatter sends (see [Note: the landing buffer is
-        sent] in grads/reduction.py), back to the pool once it has been sent. A landing view exists whether or not
+        sent] in engine/grads/reduction.py), back to the pool once it has been sent. A landing view exists whether or not
         autograd wrote into it: which parameters really received a gradient is told by the buffer's
-        version counter ([Note: which parameters received a gradient] in arrivals.py)."""
+        version counter ([Note: which parameters received a gradient] in engine/grads/arrivals.py)."""
         if self.landing is not None or not self.trainable:
             return
         self.landing = self.pool.take(self.full.numel(), self.compute_dtype, self.full.device, zero=True)
@@ -453,7 +472,7 @@ class FlatGroup:
         self._trainable_set = frozenset(self._trainable_index)
         self._classes = [(slot.param, slot.original_class) for slot in self.slots]
         # the trainable parameters with a piece on this rank, and each piece's view of the gradient shard:
-        # see [Note: the gradient shard in one pass] in grads/reduction.py
+        # see [Note: the gradient shard in one pass] in engine/grads/reduction.py
         self.local_trainable_slots = [slot for slot in self.trainable_slots if slot.hi > slot.lo]
         shard = self.grad_shard
         self.grad_views = [] if shard is None else [shard[s.lo : s.hi] for s in self.local_trainable_slots]
@@ -462,7 +481,7 @@ class FlatGroup:
         """The parameters whose ``requires_grad`` is no longer what this group was built with.
 
         [Note: the trainable set is fixed at setup]
-        Which parameters train decides how a unit is laid out (rule 4 in units.py), which have a gradient
+        Which parameters train decides how a unit is laid out (rule 4 in layout/units.py), which have a gradient
         shard, which the optimizer steps and which hooks count gradients; all of it is built once. A
         parameter unfrozen later would get an ordinary ``.grad`` that nothing reduces or steps (and that
         nothing frees); one frozen later would still be stepped with a zero gradient. So the engine asks
@@ -474,6 +493,6 @@ class FlatGroup:
 
     def late_gradient(self) -> Optional[nn.Parameter]:
         """A trainable parameter with a ``.grad`` after this group's gradients were packed, if any
-        (see [Note: counting a unit's gradients] in hooks.py)."""
+        (see [Note: counting a unit's gradients] in engine/schedule/hooks.py)."""
         with engine_access():  # released parameters: plain attribute reads
             return next((slot.param for slot in self.trainable_slots if slot.param.grad is not None), None)

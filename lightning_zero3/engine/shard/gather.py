@@ -7,7 +7,7 @@ A unit is all-gathered over one of two *routes*:
   shards] in secondary.py) over the rank's group of s ranks. Taken whenever the secondary shard is valid.
 and in one of two *encodings*:
 - the compute dtype;
-- int8 blocks with fp32 scales (``quantize_gathers="int8"``, see [Note: int8 gathers] in quantize.py),
+- int8 blocks with fp32 scales (``quantize_gathers="int8"``, see [Note: int8 gathers] in engine/comm/quantize.py),
   on the primary route only: a secondary shard already holds the (dequantized) values forward used and
   is sent as it is, so backward sees exactly the weights forward saw; quantizing it again, with block
   boundaries of its own, would not give them back. Inside a node the bytes are cheap anyway.
@@ -16,7 +16,7 @@ and in one of two *encodings*:
 
 A single unit in the compute dtype is gathered straight into its full buffer. Otherwise each rank packs
 its *payloads* (its piece of each unit, encoded) side by side into one staging buffer; the all-gather
-lands them rank-major (row r: rank r's payloads, see [Note: coalesced all-gather] in shard/flat_group.py), and
+lands them rank-major (row r: rank r's payloads, see [Note: coalesced all-gather] in engine/schedule/gathers.py), and
 once it completes each unit's column of payloads is decoded into its full buffer. Small units gathered
 at one time share one all-gather per route (int8 units are packed side by side too, each with its own
 blocks). Staging buffers come from the engine's pool.
@@ -158,7 +158,7 @@ class Then:
         self._pending, self._then, self.done = pending, then, False
 
     def issue(self) -> None:
-        """Issued already (a gather agreed on ahead is a ``CheckedAhead`` until issued, see agreement.py)."""
+        """Issued already (a gather agreed on ahead is a ``CheckedAhead`` until issued, see comm/agreement.py)."""
 
     def wait(self) -> None:
         if not self.done:

@@ -8,7 +8,7 @@ node). When a unit whose backward will need it again is released after its forwa
 its *secondary shard*: its share of the unit's full parameters within its group,
 ``full[i x L/s : (i+1) x L/s]`` for the rank's index i in the group (L the padded length). Backward's
 re-gather (and backward's prefetch) then all-gathers those shards over the group (see [Note: node-local
-secondary groups] in comm/communicator.py): s ranks of one node, no byte crosses a node boundary. Gradients still
+secondary groups] in engine/comm/communicator.py): s ranks of one node, no byte crosses a node boundary. Gradients still
 reduce-scatter over all ranks, into the primary shards.
 
 The copy is taken from the gathered buffer itself, so it holds exactly the values forward used (under
@@ -28,7 +28,7 @@ against 1/N for the primary shards.
 
 Every rank decides alike whether a gather reads secondary shards: a secondary shard exists when its
 unit was released after a forward with gradients, which every rank runs alike (every gather is checked,
-see agreement.py), and is dropped at the end of the unit's backward, after which the unit is not
+see comm/agreement.py), and is dropped at the end of the unit's backward, after which the unit is not
 gathered again in that backward.
 """
 

@@ -1,5 +1,5 @@
 """Filling a sharded model from sources: each rank reads its own pieces (see [Note: loading straight
-into shards] in sources.py)."""
+into shards] in engine/layout/sources.py)."""
 
 from __future__ import annotations
 

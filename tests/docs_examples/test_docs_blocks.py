@@ -1,0 +1,113 @@
+"""Every ``bash`` and ``python`` block of README.md and docs/*.md runs as printed.
+
+Each page runs in a scratch copy of the repository (its tracked files, no ``runs/``, no venv), block after
+block in page order, so a block may use what an earlier block of its page wrote (the README's resume reads
+the quickstart's checkpoint). A ``python`` block is written to a file and run with this interpreter; a
+``bash`` block runs with ``bash -e`` and this venv's ``bin`` first on ``PATH``; both see the scratch copy
+first on ``PYTHONPATH``, as a clone's root is. Every block must exit 0.
+
+A block is not run here when the line right before its opening fence says so, with why:
+
+- ``<!-- run by tests/<folder>/test_x.py -->``: that test runs these commands (a long job, or one checked more
+  closely there); the file must exist and name the page, so the claim is visible on both sides.
+- ``<!-- not run here: REASON -->``: it needs what a test machine has not (GPUs, a cluster, a serving
+  engine, an install into your environment).
+
+``python tests/docs_examples/test_docs_blocks.py`` lists the marked blocks of every page: the one place they are listed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>bash|python)\n(?P<body>.*?)\n(?P=indent)```", re.S | re.M)
+MARK = re.compile(r"<!--\s*(?:(?P<by>run by)\s+(?P<test>\S+)|(?P<not>not run here):\s*(?P<reason>.+?))\s*-->\s*$")
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "runs", "lightning_logs", "__pycache__", "*.egg-info", ".pytest_cache")
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    lang: str
+    body: str
+    run_by: Optional[str] = None
+    not_run: Optional[str] = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def blocks(page: str) -> list[Block]:
+    text = (ROOT / page).read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        indent = match.group("indent")
+        body = "\n".join(row[len(indent):] if row.startswith(indent) else row for row in match.group("body").splitlines())
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        mark = MARK.search(before)
+        block = Block(page, line, match.group("lang"), body)
+        if mark and mark.group("by"):
+            block.run_by = mark.group("test")
+        elif mark:
+            block.not_run = mark.group("reason")
+        found.append(block)
+    return found
+
+
+def _run(block: Block, scratch: Path, index: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(scratch), os.environ.get("PYTHONPATH", "")]),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+           "PYTHONWARNINGS": "ignore"}  # fmt: skip
+    if block.lang == "python":
+        script = scratch / f".block{index}.py"
+        script.write_text(block.body + "\n")
+        cmd = [sys.executable, str(script)]
+    else:
+        cmd = ["bash", "-e", "-o", "pipefail", "-c", block.body]
+    return subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_every_marked_block_names_a_test_that_names_its_page():
+    for page in PAGES:
+        for block in blocks(page):
+            if block.run_by:
+                test = ROOT / block.run_by
+                assert test.is_file(), f"{block.where}: marked 'run by {block.run_by}', which does not exist"
+                assert Path(page).name in test.read_text(), f"{block.where}: {block.run_by} does not name {page}"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if any(not (b.run_by or b.not_run) for b in blocks(p))])
+def test_the_blocks_of_each_page_run_as_printed(page, tmp_path):
+    scratch = tmp_path / "clone"
+    shutil.copytree(ROOT, scratch, ignore=COPY_IGNORE)
+    for index, block in enumerate(blocks(page)):
+        if block.run_by or block.not_run:
+            continue
+        done = _run(block, scratch, index)
+        assert done.returncode == 0, (
+            f"{block.where} ({block.lang}) failed with status {done.returncode}:\n{block.body}\n"
+            f"--- stdout\n{done.stdout[-2000:]}\n--- stderr\n{done.stderr[-4000:]}"
+        )
+
+
+if __name__ == "__main__":
+    for page in PAGES:
+        for block in blocks(page):
+            if block.run_by or block.not_run:
+                first = block.body.strip().splitlines()[0]
+                why = f"run by {block.run_by}" if block.run_by else f"not run here: {block.not_run}"
+                print(f"{block.where:28} {why:60} {first[:70]}")
