@@ -5,7 +5,7 @@ and ``pytorch_lightning`` when that package is installed, and Fabric), so ``Trai
 and ``Fabric(strategy="zero3")`` work.
 """
 
-from .checkpoint import CheckpointError, CheckpointMismatchError
+from .checkpoint import CheckpointError, CheckpointMismatchError, NonFiniteCheckpointError
 from .config.settings import Zero3Config
 from .engine import (
     ExecutionOrderError,
@@ -18,6 +18,9 @@ from .engine import (
     gathered_parameters,
     unshard,
 )
+from .engine.offload import NvmePathError, SwapDiskFullError
+from .engine.plan import NothingFitsError
+from .engine.schedule.hooks import RequiresGradChangedError
 from .errors import UnsupportedPrecisionError, Zero3ConfigError
 from .export.full_weights import save_full_weights
 from .frontends.fabric.strategy import Zero3FabricPrecision, Zero3FabricStrategy
@@ -35,9 +38,14 @@ __all__ = [
     "CheckpointMismatchError",
     "ExecutionOrderError",
     "NoTrainableParametersError",
+    "NonFiniteCheckpointError",
+    "NothingFitsError",
+    "NvmePathError",
     "OptimizerShardingError",
     "ParameterNotGatheredError",
     "PeerLoadError",
+    "RequiresGradChangedError",
+    "SwapDiskFullError",
     "UnsupportedPrecisionError",
     "Zero3Config",
     "Zero3ConfigError",
