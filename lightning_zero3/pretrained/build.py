@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, Union
 
+import torch
 from torch import nn
 
 from ..engine.layout.materialize import adopt, built_whole_on_meta, recording
@@ -24,12 +25,17 @@ def from_pretrained(model_class: Any, path: Union[str, "os.PathLike[str]"], **kw
     weights, under zero3, each rank reads straight into its shards with no random number drawn for them.
     ``kwargs``: what ``from_config`` takes too (``dtype``, ``attn_implementation``, ...). As
     ``from_pretrained``, tensors the checkpoint lacks get the model's initialisation (and are logged)."""
-    if not recording():
+    # under a plain ``torch.device("meta")`` (the estimate) only the shapes are wanted, and transformers'
+    # from_pretrained refuses that context: the model is built from its config, nothing read
+    shapes_only = not recording() and torch.empty(()).is_meta
+    if not recording() and not shapes_only:
         return model_class.from_pretrained(path, **kwargs)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     build = getattr(model_class, "from_config", None) or model_class._from_config
+    if shapes_only:
+        return build(config, **kwargs)
     with built_whole_on_meta():
         model = build(config, **kwargs)
     adopt(model)
