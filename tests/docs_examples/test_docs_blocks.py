@@ -13,7 +13,9 @@ A block is not run here when the line right before its opening fence says so, wi
 - ``<!-- not run here: REASON -->``: it needs what a test machine has not (GPUs, a cluster, a serving
   engine, an install into your environment).
 
-``python tests/docs_examples/test_docs_blocks.py`` lists the marked blocks of every page: the one place they are listed.
+The blocks not run here are listed in one place, docs/index.md's "Blocks the tests do not run" (a test holds
+it to the marks); ``python tests/docs_examples/test_docs_blocks.py`` prints that table and every block run by
+another test.
 """
 
 from __future__ import annotations
@@ -81,6 +83,34 @@ def _run(block: Block, scratch: Path, index: int) -> subprocess.CompletedProcess
     return subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=900)
 
 
+INDEX = "docs/index.md"
+NOT_RUN_HEADING = "## Blocks the tests do not run"
+
+
+def not_run_table() -> list[str]:
+    """docs/index.md's table of the blocks not run here: page, the block's first line of substance, why."""
+    rows = ["| page | block | why it is not run here |", "| --- | --- | --- |"]
+    for page in PAGES:
+        name = Path(page).name
+        link = f"[{name}]({os.path.relpath(ROOT / page, (ROOT / INDEX).parent)})"
+        for block in blocks(page):
+            if block.not_run:
+                lines = [r.strip() for r in block.body.splitlines()]
+                first = next(r for r in lines if r and not r.startswith(("#", "import ", "from ")))
+                shown = re.sub(r"\s+#\s.*$", "", first).rstrip(" \\")  # without its comment or line continuation
+                rows.append(f"| {link} | `{shown}` | {block.not_run} |")
+    return rows
+
+
+def test_the_blocks_not_run_here_are_listed_in_one_place():
+    text = (ROOT / INDEX).read_text()
+    assert NOT_RUN_HEADING in text, f"{INDEX} lacks its section '{NOT_RUN_HEADING}'"
+    section = text[text.index(NOT_RUN_HEADING) :].split("\n## ")[0]
+    listed = [line for line in section.splitlines() if line.startswith("|")]
+    assert listed == not_run_table(), ("the table under " + NOT_RUN_HEADING + " in " + INDEX + " should read:\n"
+                                       + "\n".join(not_run_table()))  # fmt: skip
+
+
 def test_every_marked_block_names_a_test_that_names_its_page():
     for page in PAGES:
         for block in blocks(page):
@@ -105,9 +135,9 @@ def test_the_blocks_of_each_page_run_as_printed(page, tmp_path):
 
 
 if __name__ == "__main__":
+    print("\n".join(not_run_table()) + "\n")
     for page in PAGES:
         for block in blocks(page):
-            if block.run_by or block.not_run:
+            if block.run_by:
                 first = block.body.strip().splitlines()[0]
-                why = f"run by {block.run_by}" if block.run_by else f"not run here: {block.not_run}"
-                print(f"{block.where:28} {why:60} {first[:70]}")
+                print(f"{block.where:28} run by {block.run_by:52} {first[:70]}")
