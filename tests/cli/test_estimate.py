@@ -1,5 +1,6 @@
 """``lightning-zero3 estimate`` against paper (Llama-2-70B) and against the measured peaks of the main job and of the
-full fine-tuning job."""
+full fine-tuning job (the main job's ``estimate`` command and the fine-tuning job's ``estimate`` and ``fit`` commands
+that docs/will-it-fit.md prints)."""
 
 import json
 import os

@@ -1,11 +1,12 @@
-"""docs/finetuning.md: every command of its ``bash`` blocks runs, in order, from a scratch checkout (links to
+"""docs/finetuning.md: every command of its ``bash`` blocks marked as run here runs, in order, from a scratch checkout (links to
 ``examples/``, ``tests/`` and the package), on a tiny Llama with its own subword tokenizer and a jsonl
 instruction file written here as ``my-model`` and ``my-data.jsonl``.
 
 The page's main command runs exactly as written (40 steps, 2 CPU ranks) and is the end-to-end check: its
 export holds config, safetensors, generation config and tokenizer, loads with ``from_pretrained``, and has
 a clearly lower loss on the training responses than the checkpoint it started from. The other commands
-get a few steps (``--trainer.max_steps``) unless they set their own.
+get a few steps (``--trainer.max_steps``) unless they set their own. The page's ``python`` blocks marked as
+run here (loading the export) run after the commands, as printed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ pytest.importorskip("peft")
 from examples.finetune import TinyLlama, make_pretrained  # noqa: E402
 from examples.finetune_assets import sample_rows  # noqa: E402
 from examples.sft_data import IGNORE, read_rows, tokenize  # noqa: E402
+from test_docs_blocks import blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "finetuning.md"
@@ -35,9 +37,14 @@ MAIN = ("lightning-zero3 fit --config examples/configs/finetune_full.yaml --mode
 EXPORT = "runs/finetune-full/export/model"
 
 
+def page_blocks(lang: str) -> list[str]:
+    """The page's blocks of ``lang`` that are marked as run by this test (the others need GPUs or a serving engine)."""
+    here = str(Path(__file__).relative_to(ROOT))
+    return [b.body for b in blocks(str(PAGE.relative_to(ROOT))) if b.lang == lang and b.run_by == here]
+
+
 def page_commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.+?)\n```", PAGE.read_text(), flags=re.S)
-    return [line for block in blocks for line in block.splitlines() if line.strip()]
+    return [line for block in page_blocks("bash") for line in block.splitlines() if line.strip()]
 
 
 def tiny(command: str) -> str:
@@ -76,6 +83,12 @@ def page_run(tmp_path_factory):
         logs[command] = done.stdout + done.stderr
         if command == MAIN:  # later commands write the same export directory
             shutil.copytree(work / EXPORT, work / "main-export")
+    for index, block in enumerate(page_blocks("python")):
+        (work / f".block{index}.py").write_text(block + "\n")
+        done = subprocess.run([sys.executable, f".block{index}.py"], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, f"{block}\n{done.stdout[-3000:]}{done.stderr[-5000:]}"
+        logs[block] = done.stdout + done.stderr
     return work, logs
 
 
@@ -93,7 +106,8 @@ def test_the_page_shows_the_recipes_commands():
 
 def test_every_command_of_the_page_runs(page_run):
     work, logs = page_run
-    assert len(logs) == len(page_commands())
+    assert len(logs) == len(page_commands()) + len(page_blocks("python"))
+    assert page_blocks("python") and any("from_pretrained" in block for block in page_blocks("python"))
     assert (work / "runs" / "pretrained" / "tiny-llama" / "tokenizer.json").is_file()  # the sample, made locally
     assert (work / "runs" / "data" / "sample.jsonl").is_file()
     assert "Restored all states from the checkpoint" in logs[f"{MAIN} --ckpt_path last"]
