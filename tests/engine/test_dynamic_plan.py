@@ -1,8 +1,12 @@
 """The automatic plan while training (engine/plan/dynamic.py): the decisions at step boundaries, on measured
 figures given by hand, and the level's round trip through a checkpoint's state."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from distributed import run_script
 
 from lightning_zero3 import NothingFitsError
 from lightning_zero3.engine.plan.dynamic import (
@@ -110,3 +114,45 @@ def test_the_level_in_force_comes_back_from_its_state_and_is_taken_again():
     fewer, _, taken = _plan(prefetch=0)  # a run with prefetch off has no "prefetch off" rung: by name
     fewer.load_state_dict(state)
     assert fewer.levels[fewer.level].name == plan.levels[plan.level].name
+
+
+# -- a fit on 2 CPU ranks (tests/scripts/dynamic_plan_run.py): the first 3 batches 4x shorter than the rest --
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "dynamic_plan_run.py"
+STEPS = 8
+BUDGET_SHARE = 0.8  # of the run's peak without offload: a budget that needs offload
+
+
+def _fit(out: Path, *args: str) -> list[dict]:
+    run_script(SCRIPT, out, "--steps", str(STEPS), *args)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def budget_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dynamic")
+    resident = _fit(tmp / "resident")
+    budget = int(BUDGET_SHARE * min(r["peak"] for r in resident))
+    offload = ["--budget", str(budget), "--nvme", str(tmp / "swap")]
+    auto = _fit(tmp / "auto", *offload, "--save", str(tmp / "ckpt"))
+    return resident, auto, budget, offload, tmp
+
+
+def test_a_budget_holds_over_the_whole_run_when_later_batches_are_4x_longer_with_the_losses_of_no_offload(budget_runs):
+    resident, auto, budget, _, _ = budget_runs
+    for r, a in zip(resident, auto, strict=True):
+        print(f"\nbudget {budget / 2**20:.0f} MiB: peak {a['peak'] / 2**20:.0f} MiB (estimate {a['estimate'] / 2**20:.0f}), "
+              f"without offload {r['peak'] / 2**20:.0f} MiB; changes {[(c['step'], c['level']) for c in a['changes']]}")
+        assert r["peak"] > budget
+        assert a["peak"] <= budget * 1.03
+        assert a["losses"] == pytest.approx(r["losses"], rel=1e-5)  # Adam's fused CPU kernel: 1 ulp
+    assert auto[0]["changes"] == auto[1]["changes"]  # every rank takes the same levels
+
+
+def test_a_resumed_run_starts_at_the_plan_level_in_force_when_its_checkpoint_was_written(budget_runs):
+    _, auto, _, offload, tmp = budget_runs
+    assert auto[0]["level"] > 0  # the run changed its plan, so the level is something to restore
+    resumed = _fit(tmp / "resumed", *offload, "--resume", str(tmp / "ckpt"))
+    for rank in resumed:
+        assert rank["first_level"] == auto[0]["level"]
+        assert rank["changes"][: len(auto[0]["changes"])] == auto[0]["changes"]
