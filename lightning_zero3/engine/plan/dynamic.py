@@ -4,9 +4,9 @@ boundary, what the engine keeps between its uses (see choose.py for the plan tak
 [Note: the plan at step boundaries]
 The plan chosen at setup comes from an estimate; a step can still peak above it (the staging pools fill
 during the first step and are held from then on, a later batch is longer than the first). So at every
-step boundary each rank measures the step that just ended: its peak (on CUDA the allocator's
-``max_memory_allocated`` since the step began; on CPU the resident high-water mark ``VmHWM`` where the
-step raised it, else the larger resident size at its two ends) and its growth (the bytes still held at its
+step boundary each rank measures the step that just ended: its peak (the whole-run high-water mark where the
+step raised it: the allocator's ``max_memory_allocated`` on CUDA, the resident ``VmHWM`` on CPU; else the
+larger of the bytes held at its two ends) and its growth (the bytes still held at its
 end that were not at its start: buffers kept for the next step, which the next step peaks on top of). The
 next step is predicted to peak at ``peak + growth``. One all-reduce gives every rank the largest figures,
 so all ranks take the same decision:
@@ -77,32 +77,31 @@ class StepFigures:
 
 
 class StepMeter:
-    """Reads a step's peak and growth, device-agnostic (see [Note: the plan at step boundaries])."""
+    """Reads a step's peak and growth, device-agnostic (see [Note: the plan at step boundaries]). The
+    whole-run high-water marks (``VmHWM``, ``max_memory_allocated``) are read, never reset: they stay what the
+    user reads, so a step's peak is known where it raised the mark, else bounded by the held bytes at its ends."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.start_held = 0
-        self.start_hwm = 0
+        self.start_mark = 0
 
     def _held(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
         return kib_field_bytes(STATUS, "VmRSS") or 0
 
-    def start(self) -> None:
-        self.start_held = self._held()
+    def _mark(self) -> int:
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.start_hwm = kib_field_bytes(STATUS, "VmHWM") or 0
+            return torch.cuda.max_memory_allocated(self.device)
+        return kib_field_bytes(STATUS, "VmHWM") or 0
+
+    def start(self) -> None:
+        self.start_held, self.start_mark = self._held(), self._mark()
 
     def finish(self) -> StepFigures:
-        held = self._held()
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:  # VmHWM cannot be reset without hiding the whole-run peak: it tells a step's peak only when raised
-            hwm = kib_field_bytes(STATUS, "VmHWM") or 0
-            peak = hwm if hwm > self.start_hwm else max(held, self.start_held)
+        held, mark = self._held(), self._mark()
+        peak = mark if mark > self.start_mark else max(held, self.start_held)
         return StepFigures(peak, max(0, held - self.start_held))
 
 
