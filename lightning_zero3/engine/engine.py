@@ -194,17 +194,16 @@ class Zero3Engine(OptimizerSide):
             self.module, self.config, self.comm.world_size, local, self.device, master, compute, activations
         )
 
-    def _dynamic_plan(self) -> Optional[DynamicPlan]:
-        """An automatic plan holds its budget while training too (see [Note: the plan at step boundaries])."""
+    def _dynamic_plan(self, state: Optional[dict] = None) -> Optional[DynamicPlan]:
+        """An automatic plan holds its budget while training too (see [Note: the plan at step boundaries]);
+        ``state``: an earlier one's (``DynamicPlan.state_dict``), whose level it takes."""
         if self.plan_budget is None:
             return None
-        host_keep = self.offload.host.keep_bytes if self.offload is not None else None
-
         def take(level: Level) -> None:
             self.schedule.prefetch_numel = level.prefetch_numel
             self.pool.keep_bytes = None if level.keep_staging else 0
             if self.offload is not None:
-                self.offload.host.keep_bytes = host_keep if level.keep_staging else 0
+                self.offload.host.keep_bytes = self.offload.planned_keep_bytes if level.keep_staging else 0
             if not level.keep_staging:
                 self.pool.trim()
                 if self.offload is not None:
@@ -214,7 +213,10 @@ class Zero3Engine(OptimizerSide):
             return self.comm.all_reduce(figures.to(self.device), dist.ReduceOp.MAX).cpu()
 
         levels = ladder(self.config.prefetch_bucket_size)
-        return DynamicPlan(self.plan_budget, levels, StepMeter(self.device), take, all_reduce_max)
+        plan = DynamicPlan(self.plan_budget, levels, StepMeter(self.device), take, all_reduce_max)
+        if state is not None:
+            plan.load_state_dict(state)
+        return plan
 
     def _set_heap_policy(self) -> None:
         # a run sized by its host memory: its states are offloaded to host memory or NVMe of a CPU run
@@ -349,6 +351,8 @@ class Zero3Engine(OptimizerSide):
         self.hooks.queue.overlap = config.overlap_comm
         self.residency.setting = parse_budget(config.inference_memory_budget)
         self._route_gathers(config)
+        if self.dynamic_plan is not None:  # the automatic plan's level in force stays (engine/plan/dynamic.py)
+            self.dynamic_plan = self._dynamic_plan(self.dynamic_plan.state_dict())
 
     def _route_gathers(self, config: Zero3Config) -> None:
         """Secondary shards and int8 gathers as ``config`` asks (see [Note: gather routes] in engine/shard/gather.py);
