@@ -131,8 +131,8 @@ def table(rows: list[dict], spec: JobSpec, params: int, world: int) -> str:
              f"batch {spec.batch_size} x {spec.seq_len} per rank; GB per rank unless said; estimates, {where}"
              + (f"; budget {device / 1e9:.2f} GB per rank" if device else "")
              + ("; totals with activation checkpointing" if rows[0]["activation_checkpointing"] else ""))  # fmt: skip
-    note = ("kept: the staging (grad stage + nvme stage) the first step fills and every later step starts with, "
-            "the growth after the first step (counted in TOTAL)")
+    note = ("kept: the staging the first step fills and every later step starts with (grad stage, and on CPU ranks "
+            "nvme stage too): the growth after the first step, counted in TOTAL/rank")
     return "\n".join([title, *text, note])
 
 
