@@ -2,6 +2,7 @@
 automatic offload plan under a memory budget (engine/plan/dynamic.py).
 
     python dynamic_plan_run.py OUT --steps N [--budget BYTES --nvme DIR] [--save PATH] [--resume PATH]
+                               [--gpt VOCAB,BLOCK,LAYERS,HEADS,WIDTH --batch B]   # another shape than CFG's
 
 The data module names its largest sample (``largest_sample_index``), so the plan at setup is sized to the
 long batches. Each rank writes ``OUT/rank<R>.json``: its whole-run peak resident memory (``VmHWM`` when
@@ -80,7 +81,14 @@ def main() -> None:
     p.add_argument("--nvme")
     p.add_argument("--save")
     p.add_argument("--resume")
+    p.add_argument("--gpt", help="vocab,block,layers,heads,width")
+    p.add_argument("--batch", type=int)
     args = p.parse_args()
+    global CFG, BATCH
+    if args.gpt:
+        vocab, block, layers, heads, width = map(int, args.gpt.split(","))
+        CFG = GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=heads, n_embd=width)
+    BATCH = args.batch or BATCH
     knobs = {"persistence_threshold": 1000}
     if args.budget:
         knobs.update(offload_optimizer="auto", offload_params="auto", memory_budget=args.budget, nvme_path=args.nvme)
