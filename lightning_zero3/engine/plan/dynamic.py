@@ -15,8 +15,10 @@ so all ranks take the same decision:
 - a level whose step peaks stay below ``(1 - RELAX_MARGIN)`` of the budget for ``RELAX_STEPS`` steps
   moves back one level, unless the lighter level was seen predicting more than that already (it is not
   tried again: on CPU the whole-run high-water mark cannot come down, so a try that goes over is lost);
-- at the deepest level, a step whose peak went over the budget ends the run on every rank with
-  ``StepOverBudgetError`` (figures, and what would help), instead of an out-of-memory kill later.
+- at the deepest level, a step whose peak went more than ``MARGIN`` over the budget ends the run on every
+  rank with ``StepOverBudgetError`` (figures, and what would help), instead of an out-of-memory kill later.
+  The budget is held to within ``MARGIN`` either way: the plan moves before a prediction reaches it, and
+  gives up only past it.
 
 The levels change no number that training computes (only when buffers are fetched and whether idle ones
 are kept), so losses are those of the plan at setup. The level in force, and the highest prediction seen
@@ -37,7 +39,8 @@ from .choose import NothingFitsError
 
 log = logging.getLogger("lightning_zero3")
 
-MARGIN = 0.03  # a predicted peak within this share of the budget takes a deeper level
+MARGIN = 0.03  # a predicted peak within this share of the budget takes a deeper level; a peak this far over it
+# at the deepest level ends the run
 RELAX_MARGIN = 0.15  # peaks this far below the budget ...
 RELAX_STEPS = 20  # ... for this many steps in a row move back one level
 
@@ -144,7 +147,7 @@ class DynamicPlan:
 
     def _decide(self, step: int, peak: int, predicted: int) -> Optional[dict]:
         budget = self.budget
-        if self.level == self.deepest and peak > budget:
+        if self.level == self.deepest and peak > budget * (1 + MARGIN):
             raise StepOverBudgetError(self._over_budget(step, peak))
         if predicted > budget * (1 - MARGIN) and self.level < self.deepest:
             target = self.deepest if predicted > budget else self.level + 1
@@ -178,7 +181,8 @@ class DynamicPlan:
     def _over_budget(self, step: int, peak: int) -> str:
         return (
             f"zero3: training step {step} peaked at {peak / 2**20:.0f} MiB per rank (the largest over the ranks), "
-            f"over memory_budget={self.budget / 2**20:.0f} MiB, with the leanest plan already in force "
+            f"{peak / self.budget - 1:.1%} over memory_budget={self.budget / 2**20:.0f} MiB (more than the "
+            f"{MARGIN:.0%} the budget is held to), with the leanest plan already in force "
             f"({self.levels[self.deepest].name}; shards, gradients and optimizer state offloaded as chosen at "
             "setup). Nothing more can be moved off at a step boundary. What would help: activation "
             "checkpointing (the activations are most of what a step adds), a smaller batch or shorter "
