@@ -18,7 +18,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -56,7 +56,9 @@ class ShortThenLong(pl.LightningDataModule):
         return len(self.data) - 1
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.data, batch_size=BATCH, shuffle=False)
+        trainer = self.trainer  # in order, rank by rank: the first batches of every rank are the short ones
+        sampler = DistributedSampler(self.data, trainer.world_size, trainer.global_rank, shuffle=False)
+        return DataLoader(self.data, batch_size=BATCH, sampler=sampler)
 
 
 class Recorder(pl.Callback):
@@ -96,7 +98,7 @@ def main() -> None:
     recorder = Recorder()
     trainer = pl.Trainer(strategy=lightning_zero3.Zero3Strategy(**knobs), accelerator="cpu", devices=2,
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[recorder])  # fmt: skip
+                         enable_model_summary=False, callbacks=[recorder], use_distributed_sampler=False)  # fmt: skip
     model = GPTModule(CFG, sharded_init=True)
     trainer.fit(model, datamodule=ShortThenLong(args.steps), ckpt_path=args.resume)
     if args.save:
