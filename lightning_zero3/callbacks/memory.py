@@ -120,11 +120,12 @@ class MemoryMonitor(Zero3Monitor):
         charts = {
             "engine bytes by category (max over ranks)": ["Multiline", [rf"zero3/memory/({held})_bytes/max"]],
             "fragmentation": ["Multiline", [r"zero3/memory/(fragmentation|cached_slack|engine_share_of_rss)/.*"]],
-            "automatic plan level": ["Multiline", [r"zero3/memory/plan_level/.*"]],
             "allocator bytes (max over ranks)": [
                 "Multiline", [r"zero3/memory/(rss|heap_arena|heap_free|mmapped|reserved|allocated)_bytes/max"]
             ],
         }
+        if self.engine.dynamic_plan is not None:
+            charts["automatic plan level"] = ["Multiline", [r"zero3/memory/plan_level/.*"]]
         if self.engine.device.type == "cuda":
             charts["allocator retries"] = ["Multiline", [r"zero3/memory/alloc_retries/.*"]]
         return {"zero3 memory": charts}
