@@ -48,8 +48,8 @@ from .memory.buffers import (
 )
 from .offload import Offload, PipelinedStep, restore_flags
 from .optimizers import OptimizerSide
-from .plan.facts import Activations
 from .plan.dynamic import DynamicPlan, Level, StepMeter, ladder
+from .plan.facts import Activations
 from .plan.resolve import resolve_auto
 from .schedule.hooks import HookManager
 from .schedule.prefetch import Schedule
@@ -199,6 +199,7 @@ class Zero3Engine(OptimizerSide):
         ``state``: an earlier one's (``DynamicPlan.state_dict``), whose level it takes."""
         if self.plan_budget is None:
             return None
+
         def take(level: Level) -> None:
             self.schedule.prefetch_numel = level.prefetch_numel
             self.pool.keep_bytes = None if level.keep_staging else 0
