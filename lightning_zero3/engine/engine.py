@@ -214,7 +214,8 @@ class Zero3Engine(OptimizerSide):
             return self.comm.all_reduce(figures.to(self.device), dist.ReduceOp.MAX).cpu()
 
         levels = ladder(self.config.prefetch_bucket_size)
-        plan = DynamicPlan(self.plan_budget, levels, StepMeter(self.device), take, all_reduce_max)
+        estimate = self.plan_estimate.device_bytes_per_rank if state is None else None
+        plan = DynamicPlan(self.plan_budget, levels, StepMeter(self.device), take, all_reduce_max, estimate)
         if state is not None:
             plan.load_state_dict(state)
         return plan

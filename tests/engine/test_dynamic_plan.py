@@ -96,6 +96,15 @@ def test_a_step_over_the_budget_at_the_deepest_level_ends_with_the_figures_and_w
         assert part in message
 
 
+def test_a_setup_estimate_within_the_margin_starts_one_level_deeper():
+    meter, taken = Figures(), []
+    plan = DynamicPlan(BUDGET, ladder(100), meter, taken.append, lambda t: t, estimate=int(BUDGET * (1 - MARGIN / 2)))
+    change = plan.step_boundary(0)
+    assert plan.level == 1 and change["reason"].startswith("the estimate at setup")
+    far = DynamicPlan(BUDGET, ladder(100), meter, taken.append, lambda t: t, estimate=BUDGET // 2)
+    assert far.step_boundary(0) is None and far.level == 0
+
+
 def test_every_rank_decides_on_the_largest_figures():
     meter, taken = Figures(), []
     other_rank = torch.tensor([float(BUDGET), float(BUDGET)])

@@ -8,8 +8,9 @@ step boundary each rank measures the step that just ended: its peak (the whole-r
 step raised it: the allocator's ``max_memory_allocated`` on CUDA, the resident ``VmHWM`` on CPU; else the
 larger of the bytes held at its two ends) and its growth (the bytes still held at its
 end that were not at its start: buffers kept for the next step, which the next step peaks on top of). The
-next step is predicted to peak at ``peak + growth``. One all-reduce gives every rank the largest figures,
-so all ranks take the same decision:
+next step is predicted to peak at ``peak + growth`` (the first step at the estimate the plan was chosen
+with, the same on every rank). One all-reduce gives every rank the largest figures, so all ranks take
+the same decision:
 
 - predicted over the budget: the deepest level at once; within ``MARGIN`` of it: one level deeper;
 - a level whose step peaks stay below ``(1 - RELAX_MARGIN)`` of the budget for ``RELAX_STEPS`` steps
@@ -113,8 +114,9 @@ class DynamicPlan:
     the engine take a level, ``all_reduce_max(tensor)`` gives every rank the largest figures."""
 
     def __init__(self, budget: int, levels: list[Level], meter: StepMeter, apply: Callable[[Level], None],
-                 all_reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> None:  # fmt: skip
+                 all_reduce_max: Callable[[torch.Tensor], torch.Tensor], estimate: Optional[int] = None) -> None:  # fmt: skip
         self.budget = budget
+        self.estimate = estimate  # the setup estimate: the first step's prediction (None once used or resumed)
         self.levels = levels
         self.meter = meter
         self.apply = apply
@@ -134,7 +136,10 @@ class DynamicPlan:
         """Call before every training step (``step``: the optimizer steps done): measures the step that ended,
         takes the level for the next one; returns the change made (None: none). Collective: every rank calls."""
         change = None
-        if self.running:
+        if self.estimate is not None:  # the first step: predicted by the estimate the plan was chosen with
+            change = self._decide(step, self.estimate, self.estimate, "the estimate at setup")
+            self.estimate = None
+        elif self.running:
             mine = self.meter.finish()
             figures = self.all_reduce_max(torch.tensor([mine.peak, mine.predicted], dtype=torch.float64))
             peak, predicted = int(figures[0]), int(figures[1])
@@ -145,7 +150,7 @@ class DynamicPlan:
         self.meter.start()
         return change
 
-    def _decide(self, step: int, peak: int, predicted: int) -> Optional[dict]:
+    def _decide(self, step: int, peak: int, predicted: int, source: Optional[str] = None) -> Optional[dict]:
         budget = self.budget
         if self.level == self.deepest and peak > budget * (1 + MARGIN):
             raise StepOverBudgetError(self._over_budget(step, peak))
@@ -154,6 +159,8 @@ class DynamicPlan:
             where = "over the budget" if predicted > budget else f"within {MARGIN:.0%} of the budget"
             why = (f"step {step} peaked at {peak / 2**20:.0f} MiB per rank and holds {(predicted - peak) / 2**20:.0f} "
                    f"MiB more for the next: {predicted / 2**20:.0f} MiB predicted, {where}")
+            if source is not None:
+                why = f"{source}, {predicted / 2**20:.0f} MiB per rank, is {where}"
             return self._take(step, target, why, peak, predicted)
         relaxed = predicted < budget * (1 - RELAX_MARGIN)
         self.quiet_steps = self.quiet_steps + 1 if relaxed else 0
@@ -207,5 +214,5 @@ class DynamicPlan:
         self.worst = {int(k): int(v) for k, v in state.get("worst", {}).items()}
         self.whole_peak = int(state.get("whole_peak_bytes", 0))
         self.changes = list(state.get("changes", []))
-        self.level, self.quiet_steps, self.running = level, 0, False
+        self.level, self.quiet_steps, self.running, self.estimate = level, 0, False, None
         self.apply(self.levels[level])
