@@ -133,8 +133,8 @@ STEPS = 8
 BUDGET_SHARE = 0.8  # of the run's peak without offload: a budget that needs offload
 
 
-def _fit(out: Path, *args: str) -> list[dict]:
-    run_script(SCRIPT, out, "--steps", str(STEPS), *args)
+def _fit(out: Path, *args: str, steps: int = STEPS) -> list[dict]:
+    run_script(SCRIPT, out, "--steps", str(steps), *args)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -162,7 +162,7 @@ def test_a_budget_holds_over_the_whole_run_when_later_batches_are_4x_longer_with
 def test_a_resumed_run_starts_at_the_plan_level_in_force_when_its_checkpoint_was_written(budget_runs):
     _, auto, _, offload, tmp = budget_runs
     assert auto[0]["level"] > 0  # the run changed its plan, so the level is something to restore
-    resumed = _fit(tmp / "resumed", *offload, "--resume", str(tmp / "ckpt"))
+    resumed = _fit(tmp / "resumed", *offload, "--resume", str(tmp / "ckpt"), steps=STEPS + 2)
     for rank in resumed:
         assert rank["first_level"] == auto[0]["level"]
         assert rank["changes"][: len(auto[0]["changes"])] == auto[0]["changes"]
