@@ -137,8 +137,10 @@ class DynamicPlan:
         takes the level for the next one; returns the change made (None: none). Collective: every rank calls."""
         change = None
         if self.estimate is not None:  # the first step: predicted by the estimate the plan was chosen with
-            change = self._decide(step, self.estimate, self.estimate, "the estimate at setup")
-            self.estimate = None
+            # each rank estimated (and, for memory_budget="auto", measured its budget) alone: agree first
+            agreed = self.all_reduce_max(torch.tensor([self.estimate, -self.budget], dtype=torch.float64))
+            estimate, self.budget, self.estimate = int(agreed[0]), int(-agreed[1]), None
+            change = self._decide(step, estimate, estimate, "the estimate at setup")
         elif self.running:
             mine = self.meter.finish()
             figures = self.all_reduce_max(torch.tensor([mine.peak, mine.predicted], dtype=torch.float64))
