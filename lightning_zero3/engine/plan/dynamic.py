@@ -14,7 +14,7 @@ the same decision:
 
 - predicted over the budget: the deepest level at once; within ``MARGIN`` of it: one level deeper;
 - a level whose step peaks stay below ``(1 - RELAX_MARGIN)`` of the budget for ``RELAX_STEPS`` steps
-  moves back one level, unless the lighter level was seen predicting more than that already (it is not
+  moves back one level, unless the lighter level once predicted within ``MARGIN`` of the budget (it is not
   tried again: on CPU the whole-run high-water mark cannot come down, so a try that goes over is lost);
 - at the deepest level, a step whose peak went more than ``OVER`` over the budget ends the run on every
   rank with ``StepOverBudgetError`` (figures, and what would help), instead of an out-of-memory kill later.
