@@ -72,8 +72,8 @@ def deepspeed_missing(python: str) -> str:
     """Why the DeepSpeed rows cannot run under ``python`` ("" when they can)."""
     if package_version(python, "deepspeed"):
         return ""
-    return (f"skipped: the deepspeed package is not installed for {python} (DS_BUILD_OPS=0 pip install deepspeed, "
-            f"or --peer-python naming an interpreter that has it)")
+    return (f"skipped: DeepSpeed is not installed for {python} (DS_BUILD_OPS=0 pip install deepspeed, or "
+            f"--peer-python naming an interpreter that has it)")
 
 
 def package_version(python: str, package: str) -> str:
