@@ -22,7 +22,8 @@ run is a fresh set of processes:
 - ``zero3``, ``ddp`` and ``fsdp2`` go through a Lightning ``Trainer`` (FSDP2 is Lightning's
   ``ModelParallelStrategy`` with ``fully_shard`` applied per block in ``configure_model``);
 - ``deepspeed`` is the ``deepspeed`` package's ZeRO-3 engine driven by a plain loop under ``torchrun``
-  (Lightning's DeepSpeed strategy refuses CPUs); it is reported as skipped when DeepSpeed is missing;
+  (Lightning's DeepSpeed strategy refuses CPUs), run by ``--peer-python`` (an environment of its own may
+  hold DeepSpeed); it is reported as skipped when DeepSpeed is missing there;
 - ``single`` is plain Lightning on one device (``Trainer(strategy="auto", devices=1)``, no process group
   and no wrapper), for ``--devices 1``: what zero3 at world size 1 is measured against on a GPU. Its
   losses differ from DDP's and zero3's from the first step (by 0.1% on a 2-layer model: Lightning's

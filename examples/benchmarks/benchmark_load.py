@@ -23,8 +23,9 @@ once under ``--dir``) is loaded into a model sharded over ``--ranks`` CPU proces
                    ``ModelParallelStrategy`` users run (its strategy applies the same ``fully_shard`` calls)
   deepspeed        DeepSpeed ZeRO-3's Hugging Face path: ``HfDeepSpeedConfig`` then ``from_pretrained``
                    (``zero.Init`` with ``no_init_weights``: rank 0 reads, every module gathered and
-                   scattered), then ``deepspeed.initialize`` (``pip install deepspeed`` with ``DS_BUILD_OPS=0``
-                   on a host without CUDA)
+                   scattered), then ``deepspeed.initialize`` (``DS_BUILD_OPS=0 pip install deepspeed accelerate``
+                   on a host without CUDA; ``--peer-python`` runs this row in another environment's
+                   interpreter, so DeepSpeed need not be installed beside zero3)
 
 Before each load the checkpoint's pages are dropped from the page cache (``POSIX_FADV_DONTNEED`` on its
 files: nothing else on the machine is touched), so every row reads the disk. Per rank: the load's wall

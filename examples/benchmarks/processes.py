@@ -59,7 +59,7 @@ def add_peer_python_argument(parser: argparse.ArgumentParser) -> None:
 
     Note: DeepSpeed in an environment of its own. DeepSpeed and what it installs with it change the
     environment that runs zero3 and the tests. Kept in a second virtual environment (the same torch wheel,
-    then ``DS_BUILD_OPS=0 pip install deepspeed transformers safetensors`` and ``pip install -e`` of this
+    then ``DS_BUILD_OPS=0 pip install deepspeed accelerate transformers safetensors`` and ``pip install -e`` of this
     project), only the DeepSpeed rows run in it; every other row runs in the interpreter that started
     the benchmark."""
     parser.add_argument("--peer-python", default=os.environ.get(PEER_PYTHON_VARIABLE, sys.executable),
@@ -72,7 +72,7 @@ def deepspeed_missing(python: str) -> str:
     """Why the DeepSpeed rows cannot run under ``python`` ("" when they can)."""
     if package_version(python, "deepspeed"):
         return ""
-    return (f"skipped: DeepSpeed is not installed for {python} (DS_BUILD_OPS=0 pip install deepspeed, or "
+    return (f"skipped: DeepSpeed is not installed for {python} (DS_BUILD_OPS=0 pip install deepspeed accelerate, or "
             f"--peer-python naming an interpreter that has it)")
 
 
