@@ -355,7 +355,7 @@ def _tuning_calls_case(rank: int, world: int) -> dict:
         comm._time = timed
         comm.tune([(64, torch.float32)], torch.device("cpu"))
         counts[label] = len(calls)
-        counts[f"{label}_ways"] = len({way for _, way in calls})
+        counts[f"{label}_ways"] = len(set(calls))  # (kind, way): the pair's swap is a way of both kinds
     return counts
 
 
