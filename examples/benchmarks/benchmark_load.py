@@ -60,7 +60,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this folder, and examples/ (gpt.py)
 
-from processes import add_peer_python_argument, close_process_group, deepspeed_missing, exit_note, package_version, read_result, run_worker  # noqa: E402
+from processes import (add_peer_python_argument, close_process_group, deepspeed_missing, exit_note,  # noqa: E402
+                       package_version, read_result, run_worker)  # fmt: skip
 
 METHODS = ("zero3", "zero3_drawn", "init_then_zero3", "fsdp2", "deepspeed")
 FAMILIES = {"llama": "AutoModelForCausalLM", "mixtral": "AutoModelForCausalLM", "llava_next": "AutoModelForImageTextToText"}
