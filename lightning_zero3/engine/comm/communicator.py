@@ -27,8 +27,8 @@ figures, so all ranks pick the same way), and keeps the fastest way per (kind, s
 [Note: long calls are timed once]
 Tuning costs a warm-up call and ``repeats`` calls of every way, of both kinds, at every size: 16 calls of
 a unit's full size where two ways of each kind are offered. For a large unit on a slow link that is a
-start-up cost of its own (a decoder layer of a 1B Llama, 176 MB in fp32, on 4 CPU ranks over gloo: most
-of engine setup). The medians guard against a stray slow call, which matters where a call is short; a
+start-up cost of its own (a decoder layer of a 1B Llama, 176 MB in fp32, on 4 CPU ranks over gloo: engine
+setup less its read took 7.2 s with three rounds, 3.5 s with one; RESULTS.md, time to the first step). The medians guard against a stray slow call, which matters where a call is short; a
 call of ``LONG_CALL`` (0.1 s) or more is long against such a stray, and the warm-up calls say which
 sizes those are. So where the quickest way's warm-up call took ``LONG_CALL`` or more on the slowest rank
 (one MAX all-reduce: every rank sees the same figure and runs the same number of calls), the ways are
