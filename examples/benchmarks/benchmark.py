@@ -22,7 +22,8 @@ run is a fresh set of processes:
 - ``zero3``, ``ddp`` and ``fsdp2`` go through a Lightning ``Trainer`` (FSDP2 is Lightning's
   ``ModelParallelStrategy`` with ``fully_shard`` applied per block in ``configure_model``);
 - ``deepspeed`` is the ``deepspeed`` package's ZeRO-3 engine driven by a plain loop under ``torchrun``
-  (Lightning's DeepSpeed strategy refuses CPUs); it is reported as skipped when DeepSpeed is missing;
+  (Lightning's DeepSpeed strategy refuses CPUs), run by ``--peer-python`` (an environment of its own may
+  hold DeepSpeed); it is reported as skipped when DeepSpeed is missing there;
 - ``single`` is plain Lightning on one device (``Trainer(strategy="auto", devices=1)``, no process group
   and no wrapper), for ``--devices 1``: what zero3 at world size 1 is measured against on a GPU. Its
   losses differ from DDP's and zero3's from the first step (by 0.1% on a 2-layer model: Lightning's
@@ -56,7 +57,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # this folder, and examples/ (gpt.py, data.py)
 
 from host_facts import describe_host, host_facts  # noqa: E402
-from processes import close_process_group, exit_note, peak_rss, read_result, run_worker  # noqa: E402
+from processes import (add_peer_python_argument, close_process_group, deepspeed_missing, exit_note, package_version,  # noqa: E402
+                       peak_rss, read_result, run_worker)  # fmt: skip
 
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed", "zero3_fabric", "zero3_hpz", "zero3_int8", "zero3_hpz_int8",
               "single")
@@ -97,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zero3", default="", metavar="KNOB=VALUE,...",
                    help="zero3 settings for this run, e.g. overlap_comm=False,prefetch_bucket_size=0")
     p.add_argument("--json", type=Path, default=Path("benchmark.json"))
+    add_peer_python_argument(p)
     p.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -135,8 +138,8 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def launch(strategy: str, args: argparse.Namespace) -> dict | str:
-    if strategy == "deepspeed" and not _deepspeed_available():
-        return "skipped: the deepspeed package is not installed (pip install deepspeed)"
+    if strategy == "deepspeed" and deepspeed_missing(args.peer_python):
+        return deepspeed_missing(args.peer_python)
     if strategy == "deepspeed" and args.nodes > 1:
         return "skipped: not run across simulated nodes (its launcher is not Lightning's)"
     if strategy == "single" and args.devices * args.nodes != 1:
@@ -154,7 +157,9 @@ def launch(strategy: str, args: argparse.Namespace) -> dict | str:
 
             code, output = run_as_nodes(worker, args.nodes, args.devices, env, timeout=3600)
         else:
-            code, output = run_worker(worker, env, timeout=3600, ranks=args.devices if strategy == "deepspeed" else 0)
+            deepspeed = strategy == "deepspeed"
+            code, output = run_worker(worker, env, timeout=3600, ranks=args.devices if deepspeed else 0,
+                                      python=args.peer_python if deepspeed else sys.executable)  # fmt: skip
         return read_result(result, code, output, exit_may_fail=strategy == "deepspeed")
 
 
@@ -197,6 +202,8 @@ def summarize(results: dict[str, list[dict]], skipped: dict[str, str], args) -> 
         if row["exposed_comm_s"] is not None:
             row["exposed_comm_share"] = row["exposed_comm_s"] / row["step_time_s"]
     config = vars(args) | {"json": str(args.json), "result": None}
+    if "deepspeed" in rows:
+        config["deepspeed_version"] = package_version(args.peer_python, "deepspeed")
     return {"config": config, "host": host_facts(), "rows": rows, "skipped": skipped}
 
 
@@ -246,6 +253,7 @@ def table(summary: dict, args) -> str:
         f"{', every block compiled' if cfg.get('compile') else ''}; "
         f"median over {cfg['runs']} runs of "
         f"{cfg['steps'] - cfg['warmup']} timed steps."
+        + (f" deepspeed {cfg['deepspeed_version']} (run by {cfg['peer_python']})." if cfg.get("deepspeed_version") else "")
     )
     out.append(describe_host(summary["host"]))
     return "\n".join(out)
@@ -498,12 +506,6 @@ def write_result(args, step_times, losses, rss, state, exposed, extra: dict | No
         "step_times": step_times, "losses": losses, "peak_rss_bytes": rss,
         "model_state_bytes": state, "exposed_comm_per_step": exposed, **(extra or {}),
     }))  # fmt: skip
-
-
-def _deepspeed_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("deepspeed") is not None
 
 
 def fabric_worker(args: argparse.Namespace) -> None:

@@ -23,8 +23,9 @@ once under ``--dir``) is loaded into a model sharded over ``--ranks`` CPU proces
                    ``ModelParallelStrategy`` users run (its strategy applies the same ``fully_shard`` calls)
   deepspeed        DeepSpeed ZeRO-3's Hugging Face path: ``HfDeepSpeedConfig`` then ``from_pretrained``
                    (``zero.Init`` with ``no_init_weights``: rank 0 reads, every module gathered and
-                   scattered), then ``deepspeed.initialize`` (``pip install deepspeed`` with ``DS_BUILD_OPS=0``
-                   on a host without CUDA)
+                   scattered), then ``deepspeed.initialize`` (``DS_BUILD_OPS=0 pip install deepspeed accelerate``
+                   on a host without CUDA; ``--peer-python`` runs this row in another environment's
+                   interpreter, so DeepSpeed need not be installed beside zero3)
 
 Before each load the checkpoint's pages are dropped from the page cache (``POSIX_FADV_DONTNEED`` on its
 files: nothing else on the machine is touched), so every row reads the disk. Per rank: the load's wall
@@ -59,7 +60,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this folder, and examples/ (gpt.py)
 
-from processes import close_process_group, exit_note, read_result, run_worker  # noqa: E402
+from processes import (add_peer_python_argument, close_process_group, deepspeed_missing, exit_note,  # noqa: E402
+                       package_version, read_result, run_worker)  # fmt: skip
 
 METHODS = ("zero3", "zero3_drawn", "init_then_zero3", "fsdp2", "deepspeed")
 FAMILIES = {"llama": "AutoModelForCausalLM", "mixtral": "AutoModelForCausalLM", "llava_next": "AutoModelForImageTextToText"}
@@ -368,7 +370,8 @@ def run_method(method: str, checkpoint: Path, args) -> dict | str:
         worker_args = [__file__, "--worker", method, "--checkpoint", str(checkpoint), "--result", str(result),
                        "--vocab", str(args.vocab), "--family", args.family]  # fmt: skip
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-        code, output = run_worker(worker_args, env, timeout=args.timeout, ranks=args.ranks)
+        python = args.peer_python if method == "deepspeed" else sys.executable
+        code, output = run_worker(worker_args, env, timeout=args.timeout, ranks=args.ranks, python=python)
         # a peer's row that wrote its result (all ranks done) and then aborted at exit still measured its
         # load; the exit is shown. Every worker closes its groups as zero3 does (``close_process_group``):
         # 0 aborts in 30 quick FSDP2 and 20 init_then_zero3 runs, against 2 in 13 and 1 in 9 before; zero3's
@@ -410,6 +413,7 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
         f"{args.files} files) into fp32 shards on {args.ranks} CPU ranks; median of {args.runs} run(s)",
         f"disk: {bandwidth / 1e9:.2f} GB/s cold O_DIRECT read with {args.ranks} readers (runs: "
         + ", ".join(f"{d['read_GBps']:.2f}" for d in disk) + f"); bound = checkpoint / disk = {bound:.2f} s",
+        *([f"deepspeed {args.deepspeed_version} (run by {args.peer_python})"] if args.deepspeed_version else []),
         "",
         "method          | load s | of it, build s | x bound | x zero3 | read GB (sum, x ckpt) | RssAnon growth GiB/rank (max) | "
         "VmRSS growth GiB/rank (max) | held GiB/rank | anon / param shards | check",
@@ -420,7 +424,7 @@ def summarize(rows: dict[str, list], disk: list[dict], checkpoint_bytes: int, ar
     for method, runs in rows.items():
         good = [r for r in runs if isinstance(r, dict)]
         if not good:
-            lines.append(f"{method:<15} | failed: {runs[-1][:400]}")
+            lines.append(f"{method:<15} | {runs[-1][:400]}")
             continue
         per_run = [r["ranks"] for r in good]
         med = lambda f: statistics.median(f(ranks) for ranks in per_run)  # noqa: E731
@@ -471,6 +475,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--warm-gb", type=float, default=16, help="memory written once before the runs")
     parser.add_argument("--json", default="benchmark_load.json")
+    add_peer_python_argument(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -499,6 +504,10 @@ def main() -> None:
               "one w1 / w2 / w3 per expert where the model has fused experts.gate_up_proj / down_proj, a "
               "LLaVA-Next one the Hub's prefixes (language_model.model...) that transformers renames", flush=True)
     rows: dict[str, list] = {m: [] for m in methods}
+    if "deepspeed" in methods and deepspeed_missing(args.peer_python):
+        methods.remove("deepspeed")
+        rows["deepspeed"] = [deepspeed_missing(args.peer_python)]
+    args.deepspeed_version = package_version(args.peer_python, "deepspeed") if "deepspeed" in methods else ""
     disk = []
     touch_memory(args.warm_gb)
     warm_up(methods, args)

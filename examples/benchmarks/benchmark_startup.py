@@ -45,6 +45,7 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 
 from benchmark_load import add_run_arguments, checkpoint_files, drop_from_cache  # noqa: E402
 from host_facts import describe_host, host_facts  # noqa: E402
+from processes import add_peer_python_argument, deepspeed_missing, package_version  # noqa: E402
 
 STRATEGIES = ("zero3", "ddp", "fsdp2", "deepspeed")
 PEERS = "startup_peers"
@@ -88,7 +89,7 @@ def run_once(strategy: str, checkpoint: Path, data: Path, args) -> dict | str:
     drop_from_cache(checkpoint_files(checkpoint))
     with tempfile.TemporaryDirectory() as tmp:
         command = [
-            sys.executable, "-m", "lightning_zero3.cli", "fit", "--config", str(ROOT / "examples" / "configs" / "finetune_full.yaml"),
+            args.peer_python if strategy == "deepspeed" else sys.executable, "-m", "lightning_zero3.cli", "fit", "--config", str(ROOT / "examples" / "configs" / "finetune_full.yaml"),
             *strategy_args(strategy, args.ranks), "--trainer.accelerator", args.accelerator,
             "--trainer.devices", str(args.ranks), "--trainer.max_steps", "1",
             "--trainer.callbacks", json.dumps([{"class_path": f"{PEERS}.StartupTimes"}]), "--trainer.logger", "false",
@@ -140,6 +141,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small Llama, 2 ranks, one run")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default="benchmark_startup.json")
+    add_peer_python_argument(parser)
     args = parser.parse_args()
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads = 2, 128, 344, 4, 2
@@ -167,7 +169,9 @@ def main() -> None:
     for run in range(args.runs):
         for strategy in strategies[run % len(strategies) :] + strategies[: run % len(strategies)]:
             need, have = memory_needed(strategy, params, args.ranks), available_memory(args.accelerator, args.ranks)
-            if need > have:
+            if strategy == "deepspeed" and deepspeed_missing(args.peer_python):
+                outcome = deepspeed_missing(args.peer_python)
+            elif need > have:
                 where = "host memory" if args.accelerator == "cpu" else "GPU memory"
                 outcome = (f"does not fit: its model states need about {need / 2**30:.1f} GiB of {where} on "
                            f"{args.ranks} ranks, {have / 2**30:.1f} GiB available")  # fmt: skip
@@ -176,6 +180,7 @@ def main() -> None:
             rows[strategy].append(outcome)
             said = f"{max(r['first_step_end'] for r in outcome['ranks']):.2f} s" if isinstance(outcome, dict) else outcome
             print(f"run {run + 1}/{args.runs} {strategy}: {said}", flush=True)
+    args.deepspeed_version = package_version(args.peer_python, "deepspeed") if "deepspeed" in strategies else ""
     lines = table(rows, params, checkpoint, args)
     print(describe_host(host_facts()))
     print("\n".join(lines))
@@ -187,6 +192,7 @@ def table(rows: dict[str, list], params: int, checkpoint: Path, args) -> list[st
     lines = [
         f"time to the first step: finetune_full.yaml on a {params / 1e6:,.0f}M-parameter Llama ({size / 1e6:,.0f} MB of bf16 "
         f"safetensors), fp32, {args.ranks} {args.accelerator.upper()} ranks, {args.batch_size} row(s) per rank; median of {args.runs} run(s); seconds",
+        *([f"deepspeed {args.deepspeed_version} (run by {args.peer_python})"] if args.deepspeed_version else []),
         "",
         "strategy  | " + " | ".join(f"{p:>10}" for p in PHASES) + " |      total | x zero3",
         "----------+-" + "-+-".join("-" * 10 for _ in PHASES) + "-+------------+--------",

@@ -1,13 +1,15 @@
 """Small helpers the benchmark scripts share: a free port, a process's whole-run peak memory, closing the
-process group a worker's strategy left open, running a worker (alone, or its ranks under torchrun) and
-reading what it wrote.
+process group a worker's strategy left open, the interpreter that runs DeepSpeed's rows, running a worker
+(alone, or its ranks under torchrun) and reading what it wrote.
 
 Question: none of its own; it serves the benchmark scripts.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -49,17 +51,52 @@ def close_process_group() -> None:
     close_process_groups()
 
 
-def run_worker(worker: list[str], env: dict, timeout: float, ranks: int = 0) -> tuple[int, str]:
-    """Run ``worker`` (a script and its arguments) in a process of its own, or with ``ranks`` under
-    torchrun (DeepSpeed's peer rows' launcher). Returns the exit code and what the worker wrote to
+PEER_PYTHON_VARIABLE = "ZERO3_PEER_PYTHON"
+
+
+def add_peer_python_argument(parser: argparse.ArgumentParser) -> None:
+    """``--peer-python``: the interpreter that runs the DeepSpeed rows.
+
+    Note: DeepSpeed in an environment of its own. DeepSpeed and what it installs with it change the
+    environment that runs zero3 and the tests. Kept in a second virtual environment (the same torch wheel,
+    then ``DS_BUILD_OPS=0 pip install deepspeed accelerate transformers safetensors`` and ``pip install -e`` of this
+    project), only the DeepSpeed rows run in it; every other row runs in the interpreter that started
+    the benchmark."""
+    parser.add_argument("--peer-python", default=os.environ.get(PEER_PYTHON_VARIABLE, sys.executable),
+                        help=f"the Python interpreter that runs the DeepSpeed rows, e.g. a virtual environment's "
+                             f"bin/python with deepspeed installed (default: ${PEER_PYTHON_VARIABLE}, else this "
+                             f"interpreter)")  # fmt: skip
+
+
+def deepspeed_missing(python: str) -> str:
+    """Why the DeepSpeed rows cannot run under ``python`` ("" when they can)."""
+    if package_version(python, "deepspeed"):
+        return ""
+    return (f"skipped: DeepSpeed is not installed for {python} (DS_BUILD_OPS=0 pip install deepspeed accelerate, or "
+            f"--peer-python naming an interpreter that has it)")
+
+
+def package_version(python: str, package: str) -> str:
+    """``package``'s installed version under ``python`` ("" when it is not installed)."""
+    probe = f"import importlib.metadata as m; print(m.version({package!r}))"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    except OSError:  # no such interpreter
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def run_worker(worker: list[str], env: dict, timeout: float, ranks: int = 0, python: str = sys.executable) -> tuple[int, str]:
+    """Run ``worker`` (a script and its arguments) with ``python`` in a process of its own, or with
+    ``ranks`` under torchrun (DeepSpeed's peer rows' launcher). Returns the exit code and what the worker wrote to
     stderr (else stdout). Under torchrun each rank's stderr goes to a file of its own and is what comes
     back: torchrun's own failure summary names only the signal, and it used to push the ranks' last lines
     out of the tail a failed row shows."""
     if not ranks:
-        done = subprocess.run([sys.executable, *worker], capture_output=True, text=True, env=env, timeout=timeout)
+        done = subprocess.run([python, *worker], capture_output=True, text=True, env=env, timeout=timeout)
         return done.returncode, done.stderr or done.stdout
     with tempfile.TemporaryDirectory() as logs:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+        cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                f"--master-port={free_port()}", f"--log-dir={logs}", "--redirects=3", *worker]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         files = sorted(Path(logs).rglob("stderr.log"), key=lambda file: int(file.parent.name))

@@ -56,6 +56,27 @@ def test_a_failed_exit_fails_the_run_unless_the_worker_may_fail_at_exit(tmp_path
     assert outcome["tokens_per_s"] == 3.0 and outcome["exit"].startswith("exit -6 after its result was written")
 
 
+
+def test_deepspeed_rows_run_under_the_peer_interpreter_named(tmp_path, monkeypatch):
+    """``--peer-python`` (or ``ZERO3_PEER_PYTHON``) names the interpreter of DeepSpeed's rows; one without
+    DeepSpeed gives a row saying so, and the versions come from that interpreter, not this one."""
+    import argparse
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
+    from processes import add_peer_python_argument, deepspeed_missing, package_version
+
+    assert package_version(sys.executable, "torch") == torch.__version__
+    nowhere = str(tmp_path / "no-python")
+    assert package_version(nowhere, "torch") == ""
+    assert "DeepSpeed is not installed for " + nowhere in deepspeed_missing(nowhere)
+    monkeypatch.setenv("ZERO3_PEER_PYTHON", nowhere)
+    parser = argparse.ArgumentParser()
+    add_peer_python_argument(parser)
+    assert parser.parse_args([]).peer_python == nowhere
+    assert parser.parse_args(["--peer-python", "/x/python"]).peer_python == "/x/python"
+
 @pytest.mark.parametrize("family", ["llama", "mixtral", "llava_next"])
 def test_load_benchmark_quick_mode_loads_alike_and_reads_the_checkpoint_once(tmp_path, family):
     """``examples/benchmarks/benchmark_load.py --quick``: every row loads the same model (same loss), and zero3's ranks

@@ -339,3 +339,32 @@ def test_two_ranks_may_swap_halves_and_shards_with_the_same_bits():
         assert result["same_gathers"] and result["gathered_right"]  # an all-gather's result
         # counted as reduce-scatters and all-gathers (tuning's own calls are not)
         assert result["counted"] == {"reduce_scatter": 6, "all_gather": 6}
+
+
+def _tuning_calls_case(rank: int, world: int) -> dict:
+    """How many calls ``tune`` makes of each way, where every call takes ``seconds`` (rank 1's: the slowest)."""
+    counts: dict[str, int] = {}
+    for label, seconds in (("short", 0.001), ("long", 0.2)):
+        comm = Communicator()
+        calls = []
+
+        def timed(kind, full, shard, warmup, repeats, recorded, comm=comm, calls=calls, seconds=seconds):
+            calls.append((kind, comm.choice[(kind, full.numel() * full.element_size())]))
+            return [seconds * (2 if rank == 1 else 1) / 2] * repeats  # the long figure only on the slowest rank
+
+        comm._time = timed
+        comm.tune([(64, torch.float32)], torch.device("cpu"))
+        counts[label] = len(calls)
+        counts[f"{label}_ways"] = len(set(calls))  # (kind, way): the pair's swap is a way of both kinds
+    return counts
+
+
+def test_tuning_times_long_calls_in_one_round_and_short_ones_in_several():
+    """[Note: long calls are timed once]: a warm-up call of each way, then ``repeats`` (3) rounds where the
+    quickest way's warm-up took under 0.1 s on the slowest rank, one round where it took longer; every rank
+    makes the same calls (the decision is the slowest rank's, so the other rank's short figures do not split it)."""
+    for counts in run_ranks(_tuning_calls_case, 2):
+        ways = counts["short_ways"]  # all-gather and reduce-scatter ways, the pair's swap among them
+        assert ways == counts["long_ways"] == 6
+        assert counts["short"] == ways * (1 + 3)
+        assert counts["long"] == ways * (1 + 1)

@@ -24,6 +24,16 @@ its finisher's copy included). Per rank it takes the median (one stray slow call
 the slowest rank's median (a collective is over when it is over everywhere, and a MAX all-reduce gives every rank the same
 figures, so all ranks pick the same way), and keeps the fastest way per (kind, size).
 
+[Note: long calls are timed once]
+Tuning costs a warm-up call and ``repeats`` calls of every way, of both kinds, at every size: 16 calls of
+a unit's full size where two ways of each kind are offered. For a large unit on a slow link that is a
+start-up cost of its own (a decoder layer of a 1B Llama, 176 MB in fp32, on 4 CPU ranks over gloo: engine
+setup less its read took 7.2 s with three rounds, 3.5 s with one; RESULTS.md, time to the first step). The medians guard against a stray slow call, which matters where a call is short; a
+call of ``LONG_CALL`` (0.1 s) or more is long against such a stray, and the warm-up calls say which
+sizes those are. So where the quickest way's warm-up call took ``LONG_CALL`` or more on the slowest rank
+(one MAX all-reduce: every rank sees the same figure and runs the same number of calls), the ways are
+timed in one round, not ``repeats``.
+
 [Note: three process groups]
 All-gathers run on the job's group, in the order of the recorded execution trace, the same on every
 rank. Reduce-scatters run on a group of their own (same ranks, same backend, same timeout): a rank
@@ -72,6 +82,8 @@ ALL_GATHER_WAYS = ("all_gather_single", "all_gather_list")
 REDUCE_SCATTER_WAYS = ("reduce_scatter_single", "all_reduce_slice")
 # a third way of each for groups of two ranks: [Note: a pair swaps halves], [Note: a pair swaps shards]
 PAIR_EXCHANGE = "exchange_pair"
+# a size whose quickest way takes this long is timed in one round: [Note: long calls are timed once]
+LONG_CALL = 0.1
 
 
 # every Communicator of this process, for ``forget_process_groups`` (see [Note: process groups closed at exit])
@@ -473,16 +485,26 @@ class Communicator:
             shard = torch.zeros(numel // self.world_size, dtype=dtype, device=device)
             for kind, ways in (("all_gather", ALL_GATHER_WAYS), ("reduce_scatter", REDUCE_SCATTER_WAYS)):
                 ways += self._pair_ways()
+                warm = [self._call_once(kind, way, full, shard) for way in ways]  # each way's first call here
+                rounds = 1 if min(self._slowest(warm)) >= LONG_CALL else repeats  # [Note: long calls are timed once]
                 samples: dict[str, list[float]] = {way: [] for way in ways}
-                for turn in range(repeats):  # the ways in turn, so that a slow spell hits them all alike
+                for _ in range(rounds):  # the ways in turn, so that a slow spell hits them all alike
                     for way in ways:
-                        self.choice[(kind, nbytes)] = way
-                        samples[way] += self._time(kind, full, shard, 1 if turn == 0 else 0, 1, recorded=False)
-                times = [statistics.median(samples[way]) for way in ways]
-                worst = torch.tensor(times, dtype=torch.float64, device=self.device)
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)  # every rank decides alike
-                self.choice[(kind, nbytes)] = ways[int(torch.argmin(worst))]
+                        samples[way].append(self._call_once(kind, way, full, shard))
+                worst = self._slowest([statistics.median(samples[way]) for way in ways])  # every rank decides alike
+                self.choice[(kind, nbytes)] = ways[worst.index(min(worst))]
         self.reset_stats()  # tuning traffic is not training traffic
+
+    def _call_once(self, kind: str, way: str, full: torch.Tensor, shard: torch.Tensor) -> float:
+        """Seconds of one ``kind`` call done ``way`` (on the host's clock, to the end of the device's work)."""
+        self.choice[(kind, full.numel() * full.element_size())] = way
+        return self._time(kind, full, shard, 0, 1, recorded=False)[0]
+
+    def _slowest(self, seconds: list[float]) -> list[float]:
+        """Each figure's maximum over the ranks (the same list on every rank)."""
+        worst = torch.tensor(seconds, dtype=torch.float64, device=self.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
+        return worst.tolist()
 
     def reset_stats(self) -> None:
         self._timings.clear()
