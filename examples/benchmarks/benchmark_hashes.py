@@ -86,6 +86,9 @@ def main(argv=None) -> dict[str, Optional[float]]:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
     speeds = measure(args.gb, args.runs)
+    from host_facts import describe_host, host_facts
+
+    print(describe_host(host_facts()))
     print(f"{'checksum':<12}{'GB/s':>8}   (one thread, {args.gb:g} GB buffer, best of {args.runs})")
     for name, speed in speeds.items():
         print(f"{name:<12}{'not installed' if speed is None else f'{speed:8.2f}':>8}")

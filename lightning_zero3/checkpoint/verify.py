@@ -3,6 +3,8 @@
 ``check_shared_files`` and ``check_and_hold``: the ranks of a load check every file of a sharded
 checkpoint, each file by one rank, and all raise the same ``CheckpointError`` when one is bad (see
 [Note: a load reads each file once]). ``verify_before_load``: one process checks every file (consolidation).
+``check_full_file``: the ranks check a single-file checkpoint (``checkpoint_format="full"``, or DDP's)
+against the CRC-32 its zip records carry.
 
 ``lightning-zero3 verify DIR`` (``main``) checks a sharded checkpoint (``zero3.json``) or a Hugging Face
 export (``SHA256SUMS``) without loading it into a model: one line per bad file, exit status 1 if any.
@@ -32,6 +34,8 @@ import argparse
 import re
 import sys
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -41,7 +45,7 @@ from ..engine import Communicator
 from ..engine.memory.buffers import host_buffer
 from ..engine.memory.proc import MEMINFO, kib_field_bytes
 from .atomic import MANIFEST, CheckpointError, read_manifest
-from ..export.digests import ALIGN, SHA256, bad_files, file_digest
+from ..export.digests import ALIGN, PIECE, SHA256, bad_files, file_digest
 from ..export.hf import SHA256SUMS, read_sha256sums
 
 NO_CHECKSUMS = (
@@ -142,6 +146,44 @@ def _room(comm: Communicator) -> int:
     on the node, divided among its ranks."""
     available = kib_field_bytes(MEMINFO, "MemAvailable") or 0
     return int(HELD_SHARE * available / max(1, min(comm.world_size, comm.topology.ranks_per_node)))
+
+
+def check_full_file(path: Path, comm: Communicator) -> None:
+    """Check a single-file checkpoint (``torch.save`` format: a zip of stored records) against the CRC-32
+    of every record, which the zip carries from the write (a collective: record ``i`` is checked by rank
+    ``i mod world_size``; all raise the same ``CheckpointError`` if one is bad). Neither ``torch.load`` nor
+    its memory map checks these CRCs, so flipped bytes in a tensor would load as plausible numbers.
+    A file of the legacy (non-zip) format carries none and is not checked."""
+    found: tuple[list[str], list[str]] = ([], [])
+    if path.is_file() and zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive, open(path, "rb") as stream:
+                records = archive.infolist()
+                for info in records[comm.rank :: comm.world_size]:
+                    actual = _stored_crc(stream, info)
+                    if actual != info.CRC:
+                        found[0].append(f"{path} (its record {info.filename}): rank {comm.rank} read it and found "
+                                        f"the crc32 checksum {actual:08x}, but it was written with {info.CRC:08x}")  # fmt: skip
+        except (OSError, zipfile.BadZipFile, ValueError) as error:
+            found[1].append(f"rank {comm.rank}: {path} could not be checked: {error}")
+    _agree(path, comm, found)
+
+
+def _stored_crc(stream, info: zipfile.ZipInfo) -> int:
+    """The CRC-32 of the bytes of the zip record ``info`` as they are on the disk."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"its record {info.filename} is compressed, which torch.save never writes")
+    stream.seek(info.header_offset)
+    header = stream.read(30)  # the local header: its name and extra field come before the bytes
+    start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    stream.seek(start)
+    crc, left = 0, info.compress_size
+    while left:
+        piece = stream.read(min(PIECE, left))
+        if not piece:
+            raise ValueError(f"it ends inside its record {info.filename}")
+        crc, left = zlib.crc32(piece, crc), left - len(piece)
+    return crc
 
 
 def verify_before_load(path: Path, manifest: dict) -> None:
