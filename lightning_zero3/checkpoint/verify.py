@@ -126,13 +126,16 @@ def check_and_hold(path: Path, manifest: dict, comm: Communicator, reads: set[st
         if (readers[0] if readers else int(match.group(1)) % comm.world_size) == comm.rank:
             mine.append(name)
     held: dict[str, torch.Tensor] = {}
-    room = _room(comm)
-    for name in mine:
-        size = manifest["files"][name]
-        if name in reads and size <= room:
-            held[name] = host_buffer(-(-size // ALIGN) * ALIGN, torch.uint8)
-            room -= size
-    found = _check(path, manifest, mine, comm.rank if comm.world_size > 1 else 0, held)
+    try:
+        room = _room(comm)
+        for name in mine:
+            size = manifest["files"][name]
+            if name in reads and size <= room:
+                held[name] = host_buffer(-(-size // ALIGN) * ALIGN, torch.uint8)
+                room -= size
+        found = _check(path, manifest, mine, comm.rank, held)
+    except Exception as error:  # noqa: BLE001 - every rank learns of it in the exchange below
+        found = ([], [f"rank {comm.rank}: {type(error).__name__}: {error}"])
     try:
         _agree(path, comm, found)
     except CheckpointError:
