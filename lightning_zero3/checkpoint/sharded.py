@@ -43,6 +43,11 @@ def _on_disk(group: FlatGroup) -> bool:
     return group.store is not None and group.store.offload.nvme and not group.store.resident
 
 
+def states_on_disk(engine: Zero3Engine) -> bool:
+    """Whether any group of ``engine`` keeps its states in swap files (NVMe offload)."""
+    return any(_on_disk(runtime.group) for runtime in engine.runtimes)
+
+
 def _piece(group: FlatGroup, slot: ParamSlot, tensor: torch.Tensor) -> FlatPiece:
     start = slot.piece_start(group.comm.rank, group.shard_numel)
     return FlatPiece(tensor, start, slot.numel, tuple(slot.param.shape), bucket=group.name)

@@ -111,10 +111,11 @@ def check_shared_files(path: Path, manifest: dict, comm: Communicator) -> bool:
     return True
 
 
-def check_and_hold(path: Path, manifest: dict, comm: Communicator, reads: set[str]) -> dict[str, torch.Tensor]:
+def check_and_hold(path: Path, manifest: dict, comm: Communicator, reads: set[str], hold: bool = True) -> dict[str, torch.Tensor]:
     """Round 2 of [Note: a load reads each file once] (a collective): the shard files checked, each by one
     rank; ``reads``: the files this rank's load reads. Returns the bytes of the files this rank checked
-    and reads (name -> uint8 tensor), for ``load_pieces(..., held=...)``."""
+    and reads (name -> uint8 tensor), for ``load_pieces(..., held=...)``; none with ``hold=False`` (the
+    files are then hashed through the page cache and DCP reads them again from there)."""
     expected = manifest["checksums"]["files"]
     everyone = comm.all_gather_objects(sorted(reads)) if comm.world_size > 1 else [sorted(reads)]
     mine: list[str] = []
@@ -127,7 +128,7 @@ def check_and_hold(path: Path, manifest: dict, comm: Communicator, reads: set[st
             mine.append(name)
     held: dict[str, torch.Tensor] = {}
     try:
-        room = _room(comm)
+        room = _room(comm) if hold else 0
         for name in mine:
             size = manifest["files"][name]
             if name in reads and size <= room:
