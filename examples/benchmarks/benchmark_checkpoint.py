@@ -313,7 +313,8 @@ def print_table(f: dict, args: argparse.Namespace) -> None:
     from host_facts import describe_host, host_facts
 
     gb = 1e9
-    print("\n" + describe_host(host_facts()))    print(f"\nSharded checkpoint, {args.devices} ranks, GPT of {f['params'] / 1e6:.1f}M parameters "
+    print("\n" + describe_host(host_facts()))
+    print(f"\nSharded checkpoint, {args.devices} ranks, GPT of {f['params'] / 1e6:.1f}M parameters "
           f"({f['checkpoint_bytes'] / gb:.2f} GB with AdamW state), median of {args.runs} runs")  # fmt: skip
     print(f"{'':<8}{'checkpoint GB/s':>17}{'disk GB/s':>11}{'ratio':>8}{'seconds':>9}")
     print(f"{'save':<8}{f['save_gbs']:>17.2f}{f['disk_write_gbs']:>11.2f}{f['save_gbs'] / f['disk_write_gbs']:>8.2f}"
