@@ -27,7 +27,7 @@ from ..engine.memory.buffers import return_free_heap
 from ..export.digests import DigestBook, writing_algorithm
 from ..export.writers import failures_everywhere, staging_path
 from .atomic import TRAINER_STATE, CheckpointError, commit, read_manifest, remove_partial, write_manifest
-from .dcp_io import FlatPiece, NonFiniteStateError, files_read, load_pieces, parse_pieces, read_dcp_metadata, save_pieces
+from .dcp_io import FlatPiece, NonFiniteStateError, files_read, load_pieces, read_dcp_metadata, save_pieces
 from .files import torch_load_checked, write_torch_file
 from ..export.hf import HF_CONFIG, find_hf_model, hf_configuration
 from .sharded import (
@@ -42,7 +42,7 @@ from .sharded import (
     split_optimizer_part,
     states_on_disk,
 )
-from .verify import ShardChecks, check_shard_files, check_shared_files
+from .verify import check_and_hold, check_shared_files
 
 
 def _describe_model(model_state: dict[str, Any]) -> tuple[dict, dict]:
@@ -166,21 +166,6 @@ def write_sharded_checkpoint(
     agree_on_outcome(comm, path, "committing it", finish if comm.rank == 0 else None, partial)
 
 
-def _load_checked(path: Path, manifest: dict, comm: Communicator, targets: dict[str, Any]) -> None:
-    """Read every shard file once, hashing it while DCP parses the files read before; copy the values into
-    ``targets`` only once every rank has agreed that every file is good (a collective)."""
-    checks = ShardChecks(path, manifest, comm, files_read(targets, path))
-    failure = None
-    try:
-        apply = parse_pieces(targets, path, comm.group, checks)
-    except CheckpointException as error:  # raised on every rank alike; a bad checksum explains it first
-        failure = error
-    checks.agree()
-    if failure is not None:
-        raise failure
-    apply()
-
-
 class NonFiniteCheckpointError(CheckpointError):
     """A save was refused because the model or optimizer state holds NaN or inf; the message names the
     first such tensor and the step. ``Zero3Config(save_non_finite=True)`` keeps such checkpoints."""
@@ -262,8 +247,8 @@ def _load_states(
     path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict, saved_names: set,
     checked: Optional[dict] = None,
 ) -> None:
-    """Fill the shards and the optimizers' state; with ``checked`` (the manifest), every shard file is
-    checked before any of them changes (see [Note: a load reads each file once] in verify.py)."""
+    """Fill the shards and the optimizers' state; with ``checked`` (the manifest), the shard files are
+    checked first and their bytes handed to DCP from memory (``check_and_hold``)."""
     targets = model_targets(engine, saved_names)
     optimizer_states = []
     if optimizers:
@@ -284,14 +269,11 @@ def _load_states(
             pieces, optimizer_state = optimizer_targets(engine, optimizer, index, rest, dtypes)
             targets.update(pieces)
             optimizer_states.append(optimizer_state)
+    held = None
+    if checked:  # under NVMe offload the states never pass through host memory whole, nor do their files
+        held = check_and_hold(path, checked, engine.comm, files_read(targets, path), hold=not states_on_disk(engine))
     with torch.no_grad():
-        if checked is None:
-            load_pieces(targets, path, engine.comm.group)
-        elif states_on_disk(engine):  # NVMe offload: the states never pass through host memory whole
-            check_shard_files(path, checked, engine.comm, files_read(targets, path))
-            load_pieces(targets, path, engine.comm.group)
-        else:
-            _load_checked(path, checked, engine.comm, targets)
+        load_pieces(targets, path, engine.comm.group, held=held)
     for optimizer, optimizer_state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(optimizer_state)
         engine.keep_host_kernel(optimizer)

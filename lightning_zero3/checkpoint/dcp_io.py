@@ -37,16 +37,14 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Generator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.planner import LoadItemType, TensorWriteData, WriteItem, WriteItemType
-from torch.futures import Future
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..engine.memory.buffers import OFFLOAD_HOST, ByteLedger, host_buffer
 from ..engine.offload.aio import read_range, write_range
@@ -386,9 +384,9 @@ class _HeldFileSystem(FileSystem):
     each file's bytes are dropped once DCP has read what it needs from it (see [Note: a load reads each
     file once] in verify.py)."""
 
-    def __init__(self, held: Any) -> None:
+    def __init__(self, held: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.held = held  # name -> bytes: a dict, or anything with a ``pop`` that may wait for a file
+        self.held = held
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
@@ -401,70 +399,12 @@ class _HeldFileSystem(FileSystem):
             yield stream
 
 
-def files_read(state: dict[str, Any], path: Path) -> list[str]:
-    """The names of the checkpoint files at ``path`` that ``load_pieces(state, path)`` reads on this rank,
-    in the order it reads them."""
+def files_read(state: dict[str, Any], path: Path) -> set[str]:
+    """The names of the checkpoint files at ``path`` that ``load_pieces(state, path)`` reads on this rank."""
     metadata = read_dcp_metadata(path)
     planner = _PieceLoadPlanner()
     planner.set_up_planner(state, metadata)
-    names = [metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items]
-    return list(dict.fromkeys(names))
-
-
-class _DeferringReader(SafeFileSystemReader):
-    """DCP's file reader that parses every item as DCP does, but keeps the values until ``apply``: nothing
-    of the state changes during ``dcp.load`` (see [Note: a load reads each file once] in verify.py)."""
-
-    def __init__(self, path: Path, held: Any) -> None:
-        super().__init__(path)
-        self.fs = _HeldFileSystem(held)
-        self.parsed: list[tuple[Any, Any]] = []
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for relative_path, requests in per_file.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                for request in requests:
-                    info = self.storage_data[request.storage_index]
-                    view = self.transforms.transform_load_stream(
-                        request, info.transform_descriptors or (), self._slice_file(stream, info)
-                    )
-                    if request.type == LoadItemType.BYTE_IO:
-                        self.parsed.append((request, io.BytesIO(view.read(-1))))
-                        continue
-                    seekable = view if view.seekable() else io.BytesIO(view.read(-1))
-                    tensor = torch.load(seekable, map_location="cpu", weights_only=True)
-                    self.parsed.append((request, narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)))
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-    def apply(self, planner: Any) -> None:
-        """Copy every parsed value into its place, as DCP's own reader does while it reads."""
-        for request, value in self.parsed:
-            if isinstance(value, io.BytesIO):
-                planner.load_bytes(request, value)
-                continue
-            target = planner.resolve_tensor(request).detach()
-            if target.size() != value.size():
-                raise AssertionError(f"req {request.storage_index} mismatch sizes {target.size()} vs {value.size()}")
-            target.copy_(value)
-            planner.commit_tensor(request, target)
-        self.parsed.clear()
-
-
-def parse_pieces(state: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup], held: Any) -> Callable[[], None]:
-    """``load_pieces`` in two steps (every rank of ``group`` calls it): read and parse every item that
-    fills ``state``, taking the files in ``held`` from there (a mapping whose ``pop`` may wait for a file
-    still being read), changing nothing; the function returned copies them into ``state``."""
-    reader = _DeferringReader(path, held)
-    planner = _PieceLoadPlanner()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.load(state, storage_reader=reader, planner=planner, process_group=group, no_dist=not _distributed(group))
-    return lambda: reader.apply(planner)
+    return {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
 
 
 def load_pieces(

@@ -1,6 +1,6 @@
 """Checking a checkpoint's files against the checksums written with them, before anything is loaded.
 
-``check_shared_files``, ``ShardChecks`` and ``check_shard_files``: the ranks of a load check every file of a sharded
+``check_shared_files`` and ``check_and_hold``: the ranks of a load check every file of a sharded
 checkpoint, each file by one rank, and all raise the same ``CheckpointError`` when one is bad (see
 [Note: a load reads each file once]). ``verify_before_load``: one process checks every file (consolidation).
 ``check_full_file``: the ranks check a single-file checkpoint (``checkpoint_format="full"``, or DDP's)
@@ -16,19 +16,16 @@ while another has refused, and none waits for a rank that gave up):
 
 1. ``check_shared_files``: rank 0 checks the small files every rank reads before the weights
    (``.metadata``, ``trainer_state.pt``, the JSON files).
-2. ``ShardChecks``: the shard files ``__<r>_<k>.distcp``. Each is checked by the first rank that
+2. ``check_and_hold``: the shard files ``__<r>_<k>.distcp``. Each is checked by the first rank that
    reads from it in this load (at the world size it was saved with, rank ``r`` reads exactly its own
-   files), or by rank ``r mod world_size`` when none does. A thread of the checking rank reads each file
-   in one sequential pass into memory of its own and hashes it as the pieces arrive (see [Note: checking
-   a file in one sequential pass] in export/digests.py), file after file, while DCP parses the files
-   already read from that memory (``parse_pieces`` in dcp_io.py) into values kept aside, each file's
-   memory returned once parsed. Once every rank has agreed that every file is good, the values are
-   copied into the shards; if one is bad, nothing is. So the check adds the hash to the load and no
-   second read of the disk, and the read of one file overlaps the parsing of the one before. A rank
-   holds its share of the checkpoint's values until the copy (what DCP itself would have read), and
-   file bytes up to ``HELD_SHARE`` of the memory available per rank of the node; files past that are
-   hashed through the page cache and read again from it by DCP. Under NVMe offload nothing is held
-   (``check_shard_files``): the files are checked through the page cache before DCP reads them.
+   files), or by rank ``r mod world_size`` when none does. The checking rank reads the whole file in one
+   sequential pass into memory of its own and hashes it as the pieces arrive (see [Note: checking a file
+   in one sequential pass] in export/digests.py); once every rank has agreed that every file is good,
+   DCP reads those bytes from memory instead of the disk, and each file's memory is returned as soon
+   as DCP is done with it. So the check adds the hash to the load and no second read of the disk. The
+   bytes a rank holds at once are its share of the checkpoint, up to ``HELD_SHARE`` of the memory
+   available per rank of the node; files past that are hashed through the page cache and read again
+   from it by DCP.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import threading
 import warnings
 import zipfile
 import zlib
@@ -115,78 +111,38 @@ def check_shared_files(path: Path, manifest: dict, comm: Communicator) -> bool:
     return True
 
 
-def check_shard_files(path: Path, manifest: dict, comm: Communicator, reads: list[str]) -> None:
-    """Round 2 of [Note: a load reads each file once] without holding any file (a collective): the shard
-    files checked, each by one rank, through the page cache, which DCP then reads them from again."""
-    try:
-        found = _check(path, manifest, _assigned(manifest, comm, reads), comm.rank)
-    except Exception as error:  # noqa: BLE001 - every rank learns of it in the exchange below
-        found = ([], [f"rank {comm.rank}: {type(error).__name__}: {error}"])
-    _agree(path, comm, found)
-
-
-def _assigned(manifest: dict, comm: Communicator, reads: list[str]) -> list[str]:
-    """The shard files this rank checks (a collective): each by the first rank that reads from it, or by
-    rank ``r mod world_size`` for ``__<r>_<k>.distcp`` when none does; the files it reads first, in order."""
-    everyone = comm.all_gather_objects(list(reads)) if comm.world_size > 1 else [list(reads)]
-    mine = []
-    for name in manifest["checksums"]["files"]:
+def check_and_hold(path: Path, manifest: dict, comm: Communicator, reads: set[str], hold: bool = True) -> dict[str, torch.Tensor]:
+    """Round 2 of [Note: a load reads each file once] (a collective): the shard files checked, each by one
+    rank; ``reads``: the files this rank's load reads. Returns the bytes of the files this rank checked
+    and reads (name -> uint8 tensor), for ``load_pieces(..., held=...)``; none with ``hold=False`` (the
+    files are then hashed through the page cache and DCP reads them again from there)."""
+    expected = manifest["checksums"]["files"]
+    everyone = comm.all_gather_objects(sorted(reads)) if comm.world_size > 1 else [sorted(reads)]
+    mine: list[str] = []
+    for name in expected:
         match = _SHARD_FILE.match(name)
         if match is None:
             continue
         readers = [rank for rank, names in enumerate(everyone) if name in names]
         if (readers[0] if readers else int(match.group(1)) % comm.world_size) == comm.rank:
             mine.append(name)
-    return [name for name in reads if name in mine] + [name for name in mine if name not in reads]
-
-
-class ShardChecks:
-    """The shard files this rank checks, read and hashed on a thread of their own while the load parses
-    the files read before (round 2 of [Note: a load reads each file once]). ``pop(name)`` waits until
-    ``name`` is read and returns its bytes (None for a file this rank does not hold); ``agree()`` is the
-    exchange that raises the same ``CheckpointError`` on every rank if any file is bad."""
-
-    def __init__(self, path: Path, manifest: dict, comm: Communicator, reads: list[str]) -> None:
-        self.path, self.manifest, self.comm = path, manifest, comm
-        self.order = _assigned(manifest, comm, reads)
-        self.reads = set(reads)
-        self.ready = {name: threading.Event() for name in self.order}
-        self.held: dict[str, torch.Tensor] = {}
-        self.found: tuple[list[str], list[str]] = ([], [])
-        self.thread = threading.Thread(target=self._run, name="zero3-checkpoint-check", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        room = None
-        for name in self.order:
-            try:
-                room = _room(self.comm) if room is None else room
-                size = self.manifest["files"][name]
-                into = None
-                if name in self.reads and size <= room:
-                    into = host_buffer(-(-size // ALIGN) * ALIGN, torch.uint8)
-                    room -= size
-                bad, errors = _check(self.path, self.manifest, [name], self.comm.rank, {name: into} if into is not None else None)
-                self.found[0].extend(bad)
-                self.found[1].extend(errors)
-                if into is not None and not bad and not errors:
-                    self.held[name] = into[:size]
-            except Exception as error:  # noqa: BLE001 - every rank learns of it in ``agree``
-                self.found[1].append(f"rank {self.comm.rank}: {type(error).__name__}: {error}")
-            finally:
-                self.ready[name].set()
-
-    def pop(self, name: str, default: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        event = self.ready.get(name)
-        if event is None:
-            return default
-        event.wait()
-        return self.held.pop(name, default)
-
-    def agree(self) -> None:
-        self.thread.join()
-        self.held.clear()
-        _agree(self.path, self.comm, self.found)
+    held: dict[str, torch.Tensor] = {}
+    try:
+        room = _room(comm) if hold else 0
+        for name in mine:
+            size = manifest["files"][name]
+            if name in reads and size <= room:
+                held[name] = host_buffer(-(-size // ALIGN) * ALIGN, torch.uint8)
+                room -= size
+        found = _check(path, manifest, mine, comm.rank, held)
+    except Exception as error:  # noqa: BLE001 - every rank learns of it in the exchange below
+        found = ([], [f"rank {comm.rank}: {type(error).__name__}: {error}"])
+    try:
+        _agree(path, comm, found)
+    except CheckpointError:
+        held.clear()
+        raise
+    return {name: data[: manifest["files"][name]] for name, data in held.items()}
 
 
 def _room(comm: Communicator) -> int:
