@@ -40,7 +40,7 @@ from .sharded import (
     optimizer_pieces,
     optimizer_targets,
     split_optimizer_part,
-    states_on_disk,
+    files_may_be_held,
 )
 from .verify import check_and_hold, check_shared_files
 
@@ -270,8 +270,8 @@ def _load_states(
             targets.update(pieces)
             optimizer_states.append(optimizer_state)
     held = None
-    if checked:  # under NVMe offload the states never pass through host memory whole, nor do their files
-        held = check_and_hold(path, checked, engine.comm, files_read(targets, path), hold=not states_on_disk(engine))
+    if checked:
+        held = check_and_hold(path, checked, engine.comm, files_read(targets, path), hold=files_may_be_held(engine))
     with torch.no_grad():
         load_pieces(targets, path, engine.comm.group, held=held)
     for optimizer, optimizer_state in zip(optimizers, optimizer_states):
