@@ -20,8 +20,9 @@ Three measurements, in one run, in a scratch directory on the disk under test (`
    resident memory (the OS's VmHWM) is compared with its baseline and with the largest tensor.
 
 Checksums: (2) and (3) are each done with checksums (written with every file, checked before a load or
-consolidation reads anything) and without (``checksums=False`` / ``verify=False``), alternating which goes
-first, and the table gives both times and their ratio.
+consolidation changes anything) and without (``checksums=False`` / ``verify=False``), alternating which
+goes first and syncing the disk before each save, and the table gives both times and their ratio, and
+the growth of a rank's peak resident memory during each load.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def _save_load_worker(rank: int, world: int, port: int, args: argparse.Namespace
     for run in range(args.runs):
         for checksums in (True, False) if run % 2 == 0 else (False, True):  # alternate which goes first
             path = Path(out) / f"ckpt{run}"
+            os.sync()  # the disk starts each save with nothing of an earlier one left to flush
             dist.barrier()
             start = time.perf_counter()
             save_sharded_checkpoint(path, engine, [optimizer], {}, checksums=checksums)
@@ -142,12 +144,14 @@ def _save_load_worker(rank: int, world: int, port: int, args: argparse.Namespace
             if rank == 0:
                 evict(files_under(path))
             dist.barrier()
+            resident = reset_peak_rss()
             start = time.perf_counter()
             load_sharded_checkpoint(path, engine, [optimizer], verify=checksums)
             dist.barrier()
             loaded = time.perf_counter() - start
+            growth = max(0, peak_rss() - resident) if resident is not None else None
             nbytes = sum(p.stat().st_size for p in files_under(path))
-            times["on" if checksums else "off"].append((saved, loaded, nbytes))
+            times["on" if checksums else "off"].append((saved, loaded, nbytes, growth))
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path)
@@ -155,6 +159,20 @@ def _save_load_worker(rank: int, world: int, port: int, args: argparse.Namespace
         params = sum(p.numel() for p in model.parameters())
         Path(out, "save_load.json").write_text(json.dumps({"times": times, "params": params}))
     dist.destroy_process_group()
+
+
+def reset_peak_rss() -> "int | None":
+    """Reset this process's peak resident memory (VmHWM) to its current one and return that (None where
+    Linux's ``clear_refs`` is not available)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return peak_rss()
+    except OSError:
+        return None
+
+
+def peak_rss() -> int:
+    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) * 1024
 
 
 # -- 3. a 1B-parameter checkpoint, written without training, then consolidated -----------------------------
@@ -185,7 +203,10 @@ def _generate_worker(rank: int, world: int, port: int, args: argparse.Namespace,
         piece = torch.full((stop - start,), float(len(name) % 7 + rank), dtype=torch.float32)
         state[name] = FlatPiece(piece, start, numel, shape)
     seconds = {}
-    for checksums in (True, False):  # the same pieces written with checksums ("big") and without ("big_plain")
+    # the same pieces written with checksums ("big") and without ("big_plain"), the first of them alternating
+    # over the runs, each starting once the other's bytes are on the disk
+    for checksums in (True, False) if getattr(args, "checked_first", True) else (False, True):
+        os.sync()
         dist.barrier()
         start = time.perf_counter()
         write_sharded_checkpoint(Path(out) / ("big" if checksums else "big_plain"), Communicator(), state, [], {},
@@ -220,6 +241,7 @@ def consolidation(args: argparse.Namespace, scratch: Path) -> dict:
     loads: dict[str, list] = {"on": [], "off": []}
     out = scratch / "big.pt"
     for run in range(args.big_runs):
+        args.checked_first = run % 2 == 0
         spawn(_generate_worker, args, str(scratch))
         for key, seconds in json.loads((scratch / "big_save.json").read_text()).items():
             saves[key].append(seconds)
@@ -274,6 +296,9 @@ def main(args: argparse.Namespace) -> dict:
             "save_s_unchecked": statistics.median(t[0] for t in off),
             "load_s_unchecked": statistics.median(t[1] for t in off),
         }  # fmt: skip
+        if on[0][3] is not None:  # the growth of the peak resident memory of a rank during the load
+            figures["load_rss_growth"] = statistics.median(t[3] for t in on)
+            figures["load_rss_growth_unchecked"] = statistics.median(t[3] for t in off)
         if not args.skip_consolidation:
             figures["consolidation"] = consolidation(args, scratch)
     finally:
@@ -285,7 +310,10 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def print_table(f: dict, args: argparse.Namespace) -> None:
+    from host_facts import describe_host, host_facts
+
     gb = 1e9
+    print("\n" + describe_host(host_facts()))
     print(f"\nSharded checkpoint, {args.devices} ranks, GPT of {f['params'] / 1e6:.1f}M parameters "
           f"({f['checkpoint_bytes'] / gb:.2f} GB with AdamW state), median of {args.runs} runs")  # fmt: skip
     print(f"{'':<8}{'checkpoint GB/s':>17}{'disk GB/s':>11}{'ratio':>8}{'seconds':>9}")
@@ -302,6 +330,10 @@ def print_table(f: dict, args: argparse.Namespace) -> None:
                  (f"consolidate, {c['params'] / 1e9:.2f}B (cold)", c["seconds"], c["seconds_unchecked"])]  # fmt: skip
     for name, with_s, without_s in rows:
         print(f"{name:<28}{with_s:>9.2f}{without_s:>9.2f}{with_s / without_s:>8.3f}")
+    if "load_rss_growth" in f:
+        mib = 1 << 20
+        print(f"{'load: peak RSS growth, MiB':<28}{f['load_rss_growth'] / mib:>9.0f}{f['load_rss_growth_unchecked'] / mib:>9.0f}"
+              f"   (per rank; the rank's files: {f['checkpoint_bytes'] / args.devices / mib:.0f} MiB)")  # fmt: skip
     if c:
         mib = 1 << 20
         print(f"\nConsolidation of {c['params'] / 1e9:.2f}B parameters ({c['model_bytes'] / gb:.2f} GB) to one .pt file "

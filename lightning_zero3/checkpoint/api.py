@@ -27,7 +27,7 @@ from ..engine.memory.buffers import return_free_heap
 from ..export.digests import DigestBook, writing_algorithm
 from ..export.writers import failures_everywhere, staging_path
 from .atomic import TRAINER_STATE, CheckpointError, commit, read_manifest, remove_partial, write_manifest
-from .dcp_io import FlatPiece, NonFiniteStateError, load_pieces, read_dcp_metadata, save_pieces
+from .dcp_io import FlatPiece, NonFiniteStateError, files_read, load_pieces, read_dcp_metadata, save_pieces
 from .files import torch_load_checked, write_torch_file
 from ..export.hf import HF_CONFIG, find_hf_model, hf_configuration
 from .sharded import (
@@ -40,8 +40,9 @@ from .sharded import (
     optimizer_pieces,
     optimizer_targets,
     split_optimizer_part,
+    files_may_be_held,
 )
-from .verify import verify_before_load
+from .verify import check_and_hold, check_shared_files
 
 
 def _describe_model(model_state: dict[str, Any]) -> tuple[dict, dict]:
@@ -231,16 +232,16 @@ def load_sharded_checkpoint(
     """Fill the engine's shards (and, given ``optimizers``, their state) from ``path``; return ``extra``.
 
     The checkpoint may have been written by any number of ranks (see [Note: flat pieces in DCP]). Its
-    files are checked against their checksums before anything is read from them (``verify.py``; not
-    with ``verify=False``, for measuring what that costs)."""
+    files are checked against their checksums before any weight changes, each read from the disk once
+    (see [Note: a load reads each file once] in verify.py; not with ``verify=False``, for measuring what
+    that costs)."""
     manifest = read_manifest(path)
     check_model_fits(engine, manifest["params"], manifest["buffers"], strict)
-    if verify:
-        verify_before_load(path, manifest, engine.comm)
+    checked = verify and check_shared_files(path, manifest, engine.comm)
     extra = load_trainer_state(path, weights_only)
     saved_names = manifest["params"].keys() | manifest["buffers"].keys()
     engine.settle()
-    _load_states(path, engine, optimizers, extra, saved_names)
+    _load_states(path, engine, optimizers, extra, saved_names, manifest if checked else None)
     engine.after_states_loaded()
     extra.pop("optimizer_states", None)
     in_force = extra.pop(DYNAMIC_PLAN, None)
@@ -250,8 +251,11 @@ def load_sharded_checkpoint(
 
 
 def _load_states(
-    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict, saved_names: set
+    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict, saved_names: set,
+    checked: Optional[dict] = None,
 ) -> None:
+    """Fill the shards and the optimizers' state; with ``checked`` (the manifest), the shard files are
+    checked first and their bytes handed to DCP from memory (``check_and_hold``)."""
     targets = model_targets(engine, saved_names)
     optimizer_states = []
     if optimizers:
@@ -272,8 +276,11 @@ def _load_states(
             pieces, optimizer_state = optimizer_targets(engine, optimizer, index, rest, dtypes)
             targets.update(pieces)
             optimizer_states.append(optimizer_state)
+    held = None
+    if checked:
+        held = check_and_hold(path, checked, engine.comm, files_read(targets, path), hold=files_may_be_held(engine))
     with torch.no_grad():
-        load_pieces(targets, path, engine.comm.group)
+        load_pieces(targets, path, engine.comm.group, held=held)
     for optimizer, optimizer_state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(optimizer_state)
         engine.keep_host_kernel(optimizer)

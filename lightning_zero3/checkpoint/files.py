@@ -9,9 +9,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..engine import Communicator
 from ..export.writers import staging_path
 from .atomic import CheckpointError, remove_checkpoint
 from ..export.digests import DigestBook
+from .verify import check_full_file
 
 
 def write_torch_file(obj: Any, file: Path, book: Optional[DigestBook] = None) -> None:
@@ -54,8 +56,16 @@ def torch_load_checked(file: Path, weights_only: Optional[bool] = True, mmap: bo
         raise CheckpointError(f"zero3: {file} is not a readable checkpoint (truncated or corrupt?): {error}") from error
 
 
-def load_file_checkpoint(path: Path, weights_only: Optional[bool] = True, mmap: bool = False) -> dict[str, Any]:
-    checkpoint = torch_load_checked(path, weights_only, mmap)
+def load_checked_file(path: Path, comm: Communicator, weights_only: Optional[bool] = True) -> Any:
+    """``torch_load_checked(path, mmap=True)`` on every rank of ``comm``, once the ranks agreed that every
+    record of the file matches the CRC-32 written with it (``verify.check_full_file``)."""
+    check_full_file(path, comm)
+    return torch_load_checked(path, weights_only, mmap=True)
+
+
+def load_file_checkpoint(path: Path, comm: Communicator, weights_only: Optional[bool] = True) -> dict[str, Any]:
+    """A Lightning checkpoint file, checked, loaded memory-mapped (``load_checked_file``)."""
+    checkpoint = load_checked_file(path, comm, weights_only)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(f"zero3: {path} is not a Lightning checkpoint (it has no 'state_dict').")
     return checkpoint

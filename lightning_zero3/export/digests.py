@@ -15,19 +15,20 @@ warning), and a checkpoint written with ``xxh3_64`` cannot be verified until ``x
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
-import mmap
 import os
-import re
 import threading
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-CHUNK = 8 << 20  # bytes hashed at a time when verifying a file
+PIECE = 8 << 20  # bytes read and hashed at a time when checking a file
+ALIGN = 4096  # O_DIRECT: memory address, file offset and length are multiples of it
 XXH3 = "xxh3_64"
 CRC32 = "crc32"
 SHA256 = "sha256"  # what the Hugging Face Hub records per file: the manifest of exports (``SHA256SUMS``)
@@ -89,34 +90,72 @@ def bytes_digest(data: Union[bytes, str], algorithm: str) -> str:
     return digest.hexdigest()
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    """The checksum of the file at ``path``, hashed straight from a read-only mapping of it.
+def file_digest(path: Path, algorithm: str, into: Optional[memoryview] = None) -> str:
+    """The checksum of the file at ``path``, from one sequential pass over it.
 
-    [Note: checking a file before the load]
-    The file is mapped, not read into a buffer: the hash reads the page cache itself (no copy into the
-    process), with sequential advice so that the kernel reads ahead while earlier pages are hashed. The
-    pages stay cached, so the load that follows copies them from memory rather than from the disk (as long
-    as a node's share of the checkpoint fits in its page cache); the check is still one more pass over
-    every byte before the load's own. Each chunk is unmapped from the process once hashed, so the check
-    holds at most one chunk of the file in its resident memory."""
+    [Note: checking a file in one sequential pass]
+    A helper thread reads the file in ``PIECE``-sized pieces (``os.preadv`` lets go of the GIL) while this
+    thread hashes the piece before, so the hash runs while the disk reads. Without ``into``, the pieces
+    pass through two reused buffers with sequential read-ahead advice, and the file's pages stay in the
+    page cache for whatever reads the file next. With ``into`` (a page-aligned buffer of at least the
+    file's size rounded up to ``ALIGN``), the bytes land there and stay, read with ``O_DIRECT`` where the
+    file system allows it (no copy through the page cache): what a load then hands to DCP from memory
+    (see [Note: a load reads each file once] in checkpoint/verify.py). A memory map is not used: faulting
+    a cold file in page by page is several times slower than these reads on a virtual disk."""
     digest = new_digest(algorithm)
-    with open(path, "rb") as stream:
-        size = os.fstat(stream.fileno()).st_size
-        if size == 0:
-            return digest.hexdigest()
-        with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            advise = getattr(mapped, "madvise", None)
-            if advise is not None:
-                advise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(mapped)
+    fd = os.open(path, os.O_RDONLY)
+    direct = None
+    try:
+        size = os.fstat(fd).st_size
+        if into is None:
+            staging = [bytearray(min(PIECE, size)) for _ in range(2)]
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        elif hasattr(os, "O_DIRECT"):
             try:
-                for start in range(0, size, CHUNK):
-                    digest.update(view[start : start + CHUNK])
-                    if advise is not None:  # out of this process's mapping (the page cache keeps them)
-                        advise(mmap.MADV_DONTNEED, start, min(CHUNK, size - start))
-            finally:
-                view.release()
+                direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # tmpfs and some network file systems
+                direct = None
+        starts = range(0, size, PIECE)
+
+        def read(index: int) -> memoryview:
+            nonlocal direct
+            lo = starts[index]
+            hi = min(lo + PIECE, size)
+            if into is None:
+                return _read_fully(fd, memoryview(staging[index % 2])[: hi - lo], lo, path)
+            if direct is not None:
+                try:  # O_DIRECT: whole aligned blocks, the last one may end past the end of the file
+                    return _read_fully(direct, into[lo : lo + -(-(hi - lo) // ALIGN) * ALIGN], lo, path)[: hi - lo]
+                except OSError as error:
+                    if error.errno != errno.EINVAL:
+                        raise
+                    os.close(direct)  # accepted at open, refused on reads: through the page cache
+                    direct = None
+            return _read_fully(fd, into[lo:hi], lo, path)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="zero3-checksum-read") as pool:
+            pending = pool.submit(read, 0) if starts else None
+            for index in range(len(starts)):
+                piece = pending.result()
+                pending = pool.submit(read, index + 1) if index + 1 < len(starts) else None
+                digest.update(piece)
+    finally:
+        for descriptor in (direct, fd):
+            if descriptor is not None:
+                os.close(descriptor)
     return digest.hexdigest()
+
+
+def _read_fully(fd: int, view: memoryview, offset: int, path: Path) -> memoryview:
+    """Read into ``view`` from ``offset`` until it is full or the file ends; the part read."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return view[:done]
 
 
 def body_digest(body: dict, algorithm: str) -> str:
@@ -182,24 +221,6 @@ class DigestBook:
         """Record a file whose whole content is in memory (a small text file)."""
         with self._lock:
             self.digests[name] = bytes_digest(content, self.algorithm)
-
-
-# -- which rank checks which file on load ------------------------------------------------------------
-
-_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-
-
-def checking_rank(name: str, world_size: int) -> int:
-    """The rank that verifies the file ``name`` when a checkpoint loads on ``world_size`` ranks.
-
-    [Note: each file checked by one rank, the outcome agreed by all]
-    Every file is read once by one rank before any rank reads a weight: a shard file ``__<r>_<k>.distcp``
-    by rank ``r mod world_size`` (at the world size it was saved with, each rank checks exactly the files
-    it is about to load, so the pages it read stay warm for the load), the small shared files by rank 0.
-    The ranks then exchange what they found, and all raise the same error if any file is bad: no rank
-    starts loading while another has refused, and none waits for a rank that gave up."""
-    match = _RANK_FILE.match(name)
-    return int(match.group(1)) % world_size if match else 0
 
 
 def bad_files(directory: Path, names: list[str], expected: dict[str, str], algorithm: str) -> list[tuple[str, str, str]]:

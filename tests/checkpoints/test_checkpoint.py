@@ -35,6 +35,8 @@ from lightning_zero3.checkpoint import (
     write_sharded_checkpoint,
 )
 from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
+from lightning_zero3.checkpoint.files import load_file_checkpoint
+from lightning_zero3.checkpoint.full import save_full_checkpoint
 from lightning_zero3.checkpoint.sharded import param_names
 from lightning_zero3.cli import main as cli_main
 from lightning_zero3.engine import Communicator
@@ -87,7 +89,11 @@ def _save_case(rank: int, world: int, path: str) -> dict:
             "groups": len(engine.runtimes)}  # fmt: skip
 
 
-def _load_case(rank: int, world: int, path: str) -> dict:
+def _load_case(rank: int, world: int, path: str, held: bool = False) -> dict:
+    if held:  # the files handed to DCP from the checking rank's memory, as where the states live on a device
+        import lightning_zero3.checkpoint.api as checkpoint_api
+
+        checkpoint_api.files_may_be_held = lambda engine: True
     model, engine, optimizer = _sharded(seed=1)  # other initial weights: everything must come from the file
     extra = load_sharded_checkpoint(Path(path), engine, [optimizer])
     loaded = {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer)}
@@ -133,13 +139,13 @@ def saved_on(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("saved_world, loaded_on", [(2, 1), (2, 4), (4, 2)])
-def test_checkpoint_reshards_and_training_continues_at_parity(saved_on, saved_world, loaded_on):
+@pytest.mark.parametrize("saved_world, loaded_on, held", [(2, 1, False), (2, 4, True), (4, 2, False)])
+def test_checkpoint_reshards_and_training_continues_at_parity(saved_on, saved_world, loaded_on, held):
     path, saved = saved_on(saved_world)
     files = sorted(p.name for p in Path(path).iterdir())
     assert assert_sharded_layout(files, saved_world) == saved["groups"]  # one file per flat group and rank
     reference_losses, reference_weights = _reference(saved)
-    results = run_ranks(_load_case, loaded_on, path)
+    results = run_ranks(_load_case, loaded_on, path, held)
     global_losses = torch.tensor([r["losses"] for r in results]).mean(0).tolist()  # equal local batches
     for ours, theirs in zip(global_losses, reference_losses):
         assert abs(ours - theirs) <= 1e-5 * abs(theirs)
@@ -297,10 +303,37 @@ def _poisoned_save_case(rank: int, world: int, corrupted: dict, out: str) -> dic
     left = sorted(p.name for p in Path(out).iterdir())
     engine.config = dataclasses.replace(engine.config, save_non_finite=True)
     save_sharded_checkpoint(Path(out) / "nan", engine, [optimizer], {"global_step": 7})
-    return {"messages": messages, "poisoned": poisoned, "refused": refused, "left": left}
+    # a single-file checkpoint (checkpoint_format="full") with bytes flipped inside its largest tensor
+    full = Path(out) / "full" / "state.ckpt"
+    save_full_checkpoint(full, engine, [optimizer], {"global_step": 7})
+    intact = load_file_checkpoint(full, engine.comm)["state_dict"]
+    engine.comm.all_gather_objects(None)  # both ranks read it before rank 0 damages it
+    if rank == 0:
+        flip_record(full)
+    engine.comm.all_gather_objects(None)
+    try:
+        load_file_checkpoint(full, engine.comm)
+        full_refused = "loaded"
+    except CheckpointError as error:
+        full_refused = str(error)
+    return {"messages": messages, "poisoned": poisoned, "refused": refused, "left": left,
+            "full_intact": sorted(intact) == sorted(engine.module.state_dict()), "full_refused": full_refused}  # fmt: skip
 
 
-def test_flipped_bytes_and_non_finite_states_are_refused_on_every_rank(corrupted, tmp_path):
+def flip_record(file: Path) -> str:
+    """Flip 64 bytes in the middle of the largest record of a zip (``torch.save``) file; its name."""
+    with zipfile.ZipFile(file) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    data = bytearray(file.read_bytes())
+    header = info.header_offset
+    start = header + 30 + int.from_bytes(data[header + 26 : header + 28], "little") + int.from_bytes(data[header + 28 : header + 30], "little")
+    middle = start + info.file_size // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    file.write_bytes(bytes(data))
+    return info.filename
+
+
+def test_flipped_bytes_in_sharded_and_full_checkpoints_and_non_finite_states_are_refused_on_every_rank(corrupted, tmp_path):
     results = run_ranks(_poisoned_save_case, 2, corrupted, str(tmp_path))
     for rank, result in enumerate(results):
         for name, message in result["messages"].items():
@@ -315,6 +348,11 @@ def test_flipped_bytes_and_non_finite_states_are_refused_on_every_rank(corrupted
         assert f"model.{poisoned} holds 1 non-finite value" in refused and "at step 7" in refused, refused
         assert "found by rank 1" in refused and "save_non_finite=True" in refused and "was removed" in refused
         assert result["left"] == []  # no partial directory
+        # the full file: checked against its records' CRC-32 on both ranks before any weight changes
+        assert result["full_intact"]
+        full = tmp_path / "full" / "state.ckpt"
+        assert f"{full} (its record " in result["full_refused"], result["full_refused"]
+        assert "read it and found the crc32 checksum" in result["full_refused"] and "nothing was loaded" in result["full_refused"]
     kept = tmp_path / "nan"  # with `save_non_finite=True` the state is saved as it is
     weights = torch.load(consolidate_checkpoint(kept, tmp_path / "kept.pt"), weights_only=True)
     poisoned = {name for name, w in weights.items() if torch.isnan(w).any()}  # a tied weight under each name

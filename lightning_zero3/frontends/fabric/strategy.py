@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ...checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from ...checkpoint.files import save_file_atomically, torch_load_checked
+from ...checkpoint.files import load_checked_file, save_file_atomically
 from ...checkpoint.full import save_full_checkpoint
 from ...config.knobs import build_config
 from ...config.settings import Zero3Config
@@ -253,7 +253,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
             load_pretrained(state, path, strict=strict)
             return {}
         if isinstance(state, Optimizer) and self._engine is not None and state in self._engine.optimizers:
-            self._engine.load_full_optimizer_state(state, torch_load_checked(path, weights_only, mmap=True))
+            self._engine.load_full_optimizer_state(state, load_checked_file(path, self._engine.comm, weights_only))
             return {}
         if not state or self._engine is None or not isinstance(state, dict):
             if is_sharded_checkpoint(path):
@@ -267,7 +267,7 @@ class Zero3FabricStrategy(ProcessesMixin, ParallelStrategy, _Sharded):
         if is_sharded_checkpoint(path):
             rest = load_sharded_checkpoint(path, self._engine, optimizers, strict, weights_only)
         else:
-            rest = torch_load_checked(path, weights_only, mmap=True)  # slices taken, pages dropped
+            rest = load_checked_file(path, self._engine.comm, weights_only)  # checked; slices taken, pages dropped
             missing = [key for key in [model_key, *optimizer_keys] if key not in rest]
             if missing:
                 raise KeyError(f"zero3: {path} holds nothing under {missing}; it holds {sorted(rest)}.")

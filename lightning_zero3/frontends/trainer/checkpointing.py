@@ -106,7 +106,7 @@ class CheckpointingMixin:
         optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
         if is_sharded_checkpoint(path):
             return load_sharded_checkpoint(path, engine, optimizers, module.strict_loading, weights_only)
-        checkpoint = load_file_checkpoint(path, weights_only, mmap=True)  # slices taken, pages dropped
+        checkpoint = load_file_checkpoint(path, engine.comm, weights_only)  # checked; slices taken, pages dropped
         engine.load_full_state_dict(checkpoint["state_dict"], strict=module.strict_loading)
         if optimizers:
             if "optimizer_states" not in checkpoint:
