@@ -170,6 +170,8 @@ class Zero3Engine(OptimizerSide):
         module.__dict__[_LINK_ATTR] = _EngineLink(self)
         if self.offload is not None:
             self.offload.plan_host_pool([rt.group.shard_numel * rt.group.shard.element_size() for rt in self.runtimes])
+        self.trim_between_phases = False
+        self.set_trim_between_phases(self.plan_estimate is not None and self.plan_estimate.trim_between_phases)
         self.dynamic_plan = self._dynamic_plan()
         self.optimizers: list[torch.optim.Optimizer] = []
         self._step_handles: list = []
@@ -202,18 +204,12 @@ class Zero3Engine(OptimizerSide):
 
         def take(level: Level) -> None:
             self.schedule.prefetch_numel = level.prefetch_numel
-            self.pool.keep_bytes = None if level.keep_staging else 0
-            if self.offload is not None:
-                self.offload.host.keep_bytes = self.offload.planned_keep_bytes if level.keep_staging else 0
-            if not level.keep_staging:
-                self.pool.trim()
-                if self.offload is not None:
-                    self.offload.host.trim()
+            self.set_trim_between_phases(level.trim_between_phases)
 
         def all_reduce_max(figures: torch.Tensor) -> torch.Tensor:
             return self.comm.all_reduce(figures.to(self.device), dist.ReduceOp.MAX).cpu()
 
-        levels = ladder(self.config.prefetch_bucket_size)
+        levels = ladder(self.config.prefetch_bucket_size, self.plan_estimate.trim_between_phases)
         estimate = self.plan_estimate.device_bytes_per_rank if state is None else None
         plan = DynamicPlan(self.plan_budget, levels, StepMeter(self.device), take, all_reduce_max, estimate)
         if state is not None:
@@ -526,8 +522,20 @@ class Zero3Engine(OptimizerSide):
         units = ([self.root] if self.root else []) + [rt for _, rt in self.unit_runtimes]
         return {rt.name: rt.group.full.numel() * rt.group.full.element_size() for rt in units}
 
+    def set_trim_between_phases(self, on: bool) -> None:
+        """Hand idle staging buffers back when backward ends and after every optimizer step (a lean level of
+        the automatic plan, see [Note: the plan's levels] in plan/dynamic.py), or keep them for reuse."""
+        self.trim_between_phases = on
+        self.hooks.after_backward = self.pool.trim if on else None
+
+    def trim_after_step(self) -> None:
+        """After an optimizer step, where ``trim_between_phases`` asks: every idle buffer goes back."""
+        if self.trim_between_phases:
+            self.trim()
+
     def trim(self) -> None:
-        """Hand idle staging buffers back to the kernel (between phases: after ``fit``, before evaluation)."""
+        """Hand idle staging buffers back to the kernel (between phases: after ``fit``, before evaluation;
+        after every step where ``trim_between_phases``)."""
         self.pool.trim()
         if self.offload is not None:
             self.offload.settle()

@@ -53,10 +53,12 @@ def _steps(plan: DynamicPlan, meter: Figures, figures: list[tuple[int, int]]) ->
     return changes
 
 
-def test_the_ladder_goes_from_the_plan_at_setup_to_buffers_returned_after_each_use():
+def test_the_ladder_goes_from_the_plan_at_setup_to_buffers_returned_between_phases():
     levels = ladder(100)
-    assert [(lv.prefetch_numel, lv.keep_staging) for lv in levels] == [(100, True), (0, True), (0, False)]
+    assert [(lv.prefetch_numel, lv.trim_between_phases) for lv in levels] == [(100, False), (0, False), (0, True)]
     assert len(ladder(0)) == 2  # prefetch already off: no rung that changes nothing
+    assert [(lv.prefetch_numel, lv.trim_between_phases) for lv in ladder(100, True)] == [(100, True), (0, True)]
+    assert len(ladder(0, True)) == 1  # the plan at setup is already the leanest
 
 
 def test_a_step_within_the_margin_takes_one_level_deeper_and_one_predicted_over_the_deepest():

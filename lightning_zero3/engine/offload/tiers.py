@@ -36,14 +36,13 @@ class OffloadTiers:
         # Host buffers for swap-ins, write-behind and staging. Idle ones are kept for reuse up to what
         # ``buffer_count`` groups need at once (set by ``plan_host_pool`` once the groups are known).
         self.host = BufferPool(ledger, OFFLOAD_HOST)
-        self.planned_keep_bytes: Optional[int] = None  # the bound ``plan_host_pool`` set (a lean plan sets 0)
         self.writing: list[Any] = []  # ``GroupStore``s with writes in flight, oldest first
 
     def plan_host_pool(self, group_bytes: list[int]) -> None:
         """Bound the idle host buffers: ``buffer_count`` of the largest groups' master, gradient and two
         state buffers each (what a pipelined step holds at once)."""
         largest = max(group_bytes, default=0)
-        self.host.keep_bytes = self.planned_keep_bytes = self.buffer_count * 4 * largest
+        self.host.keep_bytes = self.buffer_count * 4 * largest
 
     def check_room(self, nbytes: int, what: str) -> None:
         if self.swap is not None:
