@@ -3,6 +3,7 @@ automatic offload plan under a memory budget (engine/plan/dynamic.py).
 
     python dynamic_plan_run.py OUT --steps N [--budget BYTES --nvme DIR] [--save PATH] [--resume PATH]
                                [--gpt VOCAB,BLOCK,LAYERS,HEADS,WIDTH --batch B]   # another shape than CFG's
+                               [--short-batches N]   # per rank, 4x shorter (default 3; 0: all whole)
 
 The data module names its largest sample (``largest_sample_index``), so the plan at setup is sized to the
 long batches. Each rank writes ``OUT/rank<R>.json``: its whole-run peak resident memory (``VmHWM`` when
@@ -85,8 +86,10 @@ def main() -> None:
     p.add_argument("--resume")
     p.add_argument("--gpt", help="vocab,block,layers,heads,width")
     p.add_argument("--batch", type=int)
+    p.add_argument("--short-batches", type=int)
     args = p.parse_args()
-    global CFG, BATCH
+    global CFG, BATCH, SHORT_BATCHES
+    SHORT_BATCHES = SHORT_BATCHES if args.short_batches is None else args.short_batches
     if args.gpt:
         vocab, block, layers, heads, width = map(int, args.gpt.split(","))
         CFG = GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=heads, n_embd=width)

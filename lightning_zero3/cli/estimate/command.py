@@ -99,6 +99,7 @@ def run(argv) -> list[dict]:
         try:
             chosen, _, _ = choose_plan(facts, activations, job, *wanted)
             wanted = (chosen.offload_optimizer, chosen.offload_params)
+            rows = [chosen if row.plan == chosen.plan else row for row in rows]  # at the sizing it was chosen with
         except NothingFitsError:
             wanted = (None, None, None)
     out = []
@@ -133,6 +134,9 @@ def table(rows: list[dict], spec: JobSpec, params: int, world: int) -> str:
              + ("; totals with activation checkpointing" if rows[0]["activation_checkpointing"] else ""))  # fmt: skip
     note = ("kept: the staging the first step fills and every later step starts with (grad stage, and on CPU ranks "
             "nvme stage too): the growth after the first step, counted in TOTAL/rank")
+    if any(r["trim_between_phases"] for r in rows):
+        note += ("\nthe selected plan returns idle buffers between phases: TOTAL/rank counts the larger of backward's "
+                 "staging (grad stage and what streams through it) and the optimizer step's (nvme stage), and kept is 0")
     return "\n".join([title, *text, note])
 
 

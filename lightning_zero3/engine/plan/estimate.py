@@ -183,7 +183,7 @@ def estimate_plan(name: str, offload_optimizer: Optional[str], offload_params: O
         param_shards=params, grad_shards=grads, masters=0, optimizer_state=state, persistent_params=persistent,
         gathered_peak=gathered, grad_staging=grad_staging, activations=act_full, activations_checkpointed=act_ckpt,
         baseline=job.baseline_device + (0 if job.on_cpu else job.baseline_host), nvme_staging=staging,
-        kept_between_steps=grad_staging + (staging if job.on_cpu else 0),
+        kept_between_steps=0 if trim_between_phases else grad_staging + (staging if job.on_cpu else 0),
         model_state_bytes_per_rank=model_states, device_bytes_per_rank=device, host_bytes_per_rank=host,
         host_bytes_per_node=host * job.ranks_per_node, nvme_bytes=sum(on_nvme.values()) * job.ranks_per_node,
         trim_between_phases=trim_between_phases,
