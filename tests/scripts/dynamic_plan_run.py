@@ -4,9 +4,12 @@ automatic offload plan under a memory budget (engine/plan/dynamic.py).
     python dynamic_plan_run.py OUT --steps N [--budget BYTES --nvme DIR] [--save PATH] [--resume PATH]
                                [--gpt VOCAB,BLOCK,LAYERS,HEADS,WIDTH --batch B]   # another shape than CFG's
                                [--short-batches N]   # per rank, 4x shorter (default 3; 0: all whole)
+                               [--short-len T]   # tokens of the short samples (default a quarter of CFG's)
+                               [--largest-unknown]   # the data module does not name its largest sample
 
 The data module names its largest sample (``largest_sample_index``), so the plan at setup is sized to the
-long batches. Each rank writes ``OUT/rank<R>.json``: its whole-run peak resident memory (``VmHWM`` when
+long batches; with ``--largest-unknown`` it does not, the plan is sized to the first (short) batch and
+must adapt while training. Each rank writes ``OUT/rank<R>.json``: its whole-run peak resident memory (``VmHWM`` when
 ``fit`` has returned), the losses, the plan level at the first step and at the end, and the plan changes.
 """
 
@@ -30,10 +33,12 @@ import lightning_zero3  # noqa: E402
 CFG = GPTConfig(vocab_size=512, block_size=256, n_layer=6, n_head=4, n_embd=512)
 BATCH = 4
 SHORT_BATCHES = 3  # per rank, each 4x shorter than the later ones
+SHORT_LEN = None  # tokens of their samples (None: a quarter of the block)
 
 
 class Lengths(Dataset):
-    """Random token windows: the first ``short`` are a quarter of ``CFG.block_size`` long, the rest whole."""
+    """Random token windows: the first ``short`` are ``SHORT_LEN`` long (a quarter of ``CFG.block_size``
+    unless set), the rest whole."""
 
     def __init__(self, n: int, short: int) -> None:
         self.n, self.short = n, short
@@ -42,7 +47,7 @@ class Lengths(Dataset):
         return self.n
 
     def __getitem__(self, i: int):
-        length = CFG.block_size // 4 if i < self.short else CFG.block_size
+        length = (SHORT_LEN or CFG.block_size // 4) if i < self.short else CFG.block_size
         tokens = torch.randint(0, CFG.vocab_size, (length + 1,), generator=torch.Generator().manual_seed(i))
         return tokens[:-1], tokens[1:]
 
@@ -53,13 +58,15 @@ class ShortThenLong(pl.LightningDataModule):
         world = 2
         self.data = Lengths(steps * BATCH * world, SHORT_BATCHES * BATCH * world)  # in order: ranks interleave
 
-    def largest_sample_index(self) -> int:
-        return len(self.data) - 1
-
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer  # in order, rank by rank: the first batches of every rank are the short ones
         sampler = DistributedSampler(self.data, trainer.world_size, trainer.global_rank, shuffle=False)
         return DataLoader(self.data, batch_size=BATCH, sampler=sampler)
+
+
+class ShortThenLongKnown(ShortThenLong):
+    def largest_sample_index(self) -> int:
+        return len(self.data) - 1
 
 
 class Recorder(pl.Callback):
@@ -87,8 +94,11 @@ def main() -> None:
     p.add_argument("--gpt", help="vocab,block,layers,heads,width")
     p.add_argument("--batch", type=int)
     p.add_argument("--short-batches", type=int)
+    p.add_argument("--largest-unknown", action="store_true")
+    p.add_argument("--short-len", type=int)
     args = p.parse_args()
-    global CFG, BATCH, SHORT_BATCHES
+    global CFG, BATCH, SHORT_BATCHES, SHORT_LEN
+    SHORT_LEN = args.short_len
     SHORT_BATCHES = SHORT_BATCHES if args.short_batches is None else args.short_batches
     if args.gpt:
         vocab, block, layers, heads, width = map(int, args.gpt.split(","))
@@ -103,7 +113,8 @@ def main() -> None:
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[recorder], use_distributed_sampler=False)  # fmt: skip
     model = GPTModule(CFG, sharded_init=True)
-    trainer.fit(model, datamodule=ShortThenLong(args.steps), ckpt_path=args.resume)
+    data = (ShortThenLong if args.largest_unknown else ShortThenLongKnown)(args.steps)
+    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
     plan = trainer.strategy._engine.dynamic_plan
