@@ -362,6 +362,12 @@ class JsonlInstructions(pl.LightningDataModule):
         """The tokens of each training row (``group_by_length`` sorts by them)."""
         return [len(ids) for ids, _ in self.train]
 
+    def largest_sample_index(self) -> int:
+        """The training item of the most tokens: zero3's automatic offload plan sizes the activations to a
+        batch of it (``memory_budget``), so later, longer batches fit the plan taken at setup."""
+        sizes = [sum(len(ids) for ids, _ in item) for item in self.train] if self.packing else self.lengths()
+        return max(range(len(sizes)), key=sizes.__getitem__, default=0)
+
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         self._check_packing()

@@ -19,7 +19,7 @@ from .engine import (
     unshard,
 )
 from .engine.offload import NvmePathError, SwapDiskFullError
-from .engine.plan import NothingFitsError
+from .engine.plan import NothingFitsError, StepOverBudgetError
 from .engine.schedule.hooks import RequiresGradChangedError
 from .errors import UnsupportedPrecisionError, Zero3ConfigError
 from .export.full_weights import save_full_weights
@@ -45,6 +45,7 @@ __all__ = [
     "ParameterNotGatheredError",
     "PeerLoadError",
     "RequiresGradChangedError",
+    "StepOverBudgetError",
     "SwapDiskFullError",
     "UnsupportedPrecisionError",
     "Zero3Config",

@@ -38,6 +38,11 @@ benchmarks run alone. One process keeps every unit gathered by default, so the c
   no offload) against ``torch.cuda.max_memory_allocated`` of the same run (``ESTIMATE_STEPS`` steps); the
   estimate's stated CUDA context is left out, which the allocator does not see. An INFO row: estimate,
   measured, ratio (issue 48 holds the CPU estimates to 15%; on a GPU it is a figure until measured).
+- ``budget``: the automatic offload plan (``offload_optimizer`` and ``offload_params`` ``"auto"``,
+  ``memory_budget`` ``BUDGET_SHARE`` of the peak of the same run without offload, ``nvme_path`` a temporary
+  folder) on ``ESTIMATE_GPT`` for ``BUDGET_STEPS`` steps: the whole run's ``torch.cuda.max_memory_allocated``
+  within ``BUDGET_SLACK`` of the budget, the losses within ``OFFLOAD_LOSS_RTOL`` of the run without
+  offload, and the plan changes it made at step boundaries (docs/will-it-fit.md).
 - ``monitors``: ``MemoryMonitor`` and ``CommMonitor`` on under NCCL, gathering on the GPU; the CUDA
   allocator figures and the communication figures they logged last (their ``last_logged``).
 - ``benchmark <strategy>``: ``examples/benchmarks/benchmark.py`` on this GPU under zero3, DDP, FSDP2
@@ -78,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import math
 import os
@@ -123,6 +129,9 @@ BATCH = 8
 #: the ``estimate`` check's model (the benchmark's 85M shape) and run: the estimate against the allocator's peak
 ESTIMATE_GPT = dict(vocab_size=256, block_size=512, n_layer=12, n_head=12, n_embd=768)
 ESTIMATE_BATCH, ESTIMATE_STEPS = 8, 5
+#: the ``budget`` check: the estimate's model under the automatic plan, its budget this share of the same run's
+#: peak without offload (a budget that needs offload), held to within ``BUDGET_SLACK`` over the whole run
+BUDGET_SHARE, BUDGET_SLACK, BUDGET_STEPS = 0.8, 0.03, 8
 #: examples/benchmarks/benchmark.py's arguments: a GPT of 85M parameters, 8192 tokens a step
 BENCHMARK = {"cuda": ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "--block-size", "512", "--batch-size", "16",
                       "--steps", "30", "--warmup", "10", "--runs", "2"],
@@ -465,6 +474,7 @@ def run_checks(accelerator: str, tmp: Path, jobs: int) -> dict[str, Any]:
         runs = dict(zip(CONCURRENT_WORKERS, pool.map(lambda name: launch(name, accelerator, tmp), CONCURRENT_WORKERS)))
     runs["timing"] = launch("timing", accelerator, tmp)
     runs["estimate"] = launch("estimate", accelerator, tmp)  # alone too: its own allocator peak, whole device free
+    runs["budget"] = launch("budget", accelerator, tmp)  # alone: the allocator's peak against a budget
     return runs
 
 
@@ -506,6 +516,8 @@ def verdicts(runs: dict[str, Any]) -> list[Row]:
     row("monitors", ("monitors",), lambda m: monitors_verdict(m["memory"], m["comm"]))
     if "estimate" in runs:
         row("estimate", ("estimate",), estimate_row)
+    if "budget" in runs:
+        row("budget", ("budget",), budget_verdict)
     return rows
 
 
@@ -516,6 +528,21 @@ def estimate_row(result: dict) -> tuple[bool, str]:
     return True, (f"estimate {estimate / 2**20:,.0f} MiB, measured max_memory_allocated {measured / 2**20:,.0f} MiB, "
                   f"ratio {ratio:.2f} ({'within' if abs(ratio - 1) <= 0.15 else 'outside'} 15%; "
                   f"{result['model']}, CUDA context left out)")  # fmt: skip
+
+
+def budget_verdict(result: dict) -> tuple[bool, str]:
+    """The whole run's allocator peak under the automatic plan within ``BUDGET_SLACK`` of its budget, with the
+    losses of the run without offload."""
+    budget, peak = result["budget"], result["peak"]
+    losses, resident = result["losses"], result["resident_losses"]
+    same = len(losses) == len(resident) and all(
+        abs(a - b) <= OFFLOAD_LOSS_RTOL * abs(b) for a, b in zip(losses, resident)
+    )  # fmt: skip
+    held = peak <= budget * (1 + BUDGET_SLACK)
+    changes = ", ".join(f"step {c['step']}: level {c['level']}" for c in result["changes"]) or "none"
+    return held and same, (f"peak {peak / 2**20:,.0f} MiB of a {budget / 2**20:,.0f} MiB budget "
+                           f"({peak / budget:.3f}x, {'within' if held else 'over'} {BUDGET_SLACK:.0%}); losses "
+                           f"{'within' if same else 'NOT within'} {OFFLOAD_LOSS_RTOL} of no offload; plan changes: {changes}")  # fmt: skip
 
 
 def benchmark(accelerator: str, tmp: Path) -> list[Row]:
@@ -683,6 +710,10 @@ def run_worker(name: str, accelerator: str) -> dict:
         return collective_timing() if accelerator == "cuda" else {"skipped": "skipped: needs NCCL on CUDA"}
     if name == "monitors":
         return monitors_run(accelerator)
+    if name == "budget":
+        if accelerator != "cuda":
+            return {"skipped": "skipped: holds torch.cuda.max_memory_allocated to a budget (needs CUDA)"}
+        return budget_run()
     if name == "estimate":
         if accelerator != "cuda":
             return {"skipped": "skipped: compares with torch.cuda.max_memory_allocated (needs CUDA)"}
@@ -692,7 +723,8 @@ def run_worker(name: str, accelerator: str) -> dict:
 
 
 def train(strategy: str, precision: str, steps: int, clip: Optional[float], accelerator: str,
-          callbacks: tuple = (), logger: Any = False, gpt: Optional[dict] = None, batch: int = BATCH) -> dict:  # fmt: skip
+          callbacks: tuple = (), logger: Any = False, gpt: Optional[dict] = None, batch: int = BATCH,
+          settings: Optional[dict] = None) -> dict:  # fmt: skip
     import lightning.pytorch as pl
     from gpt import GPTConfig, GPTModule, random_tokens
     from torch.utils.data import DataLoader
@@ -721,6 +753,7 @@ def train(strategy: str, precision: str, steps: int, clip: Optional[float], acce
         knobs = {}
     if strategy == "zero3_offload":
         knobs |= {"offload_optimizer": "cpu", "offload_params": "cpu"}
+    knobs |= settings or {}
     chosen = "ddp" if strategy == "ddp" else lightning_zero3.Zero3Strategy(**knobs)
     flags: dict = {"precision": precision}
     if accelerator == "cpu" and precision == "16-mixed":  # Lightning turns the flag into bf16 on the CPU
@@ -736,7 +769,9 @@ def train(strategy: str, precision: str, steps: int, clip: Optional[float], acce
     engine = lightning_zero3.engine_of(model)  # zero3 keeps the model sharded after fit: ask for full weights
     state = engine.full_state_dict() if engine is not None else model.state_dict()
     weights = {k: v.detach().cpu().clone() for k, v in state.items()}
-    return {"losses": record.losses, "scales": record.scales, "weights": weights}
+    plan = engine.dynamic_plan if engine is not None else None
+    return {"losses": record.losses, "scales": record.scales, "weights": weights,
+            "changes": plan.changes if plan is not None else []}  # fmt: skip
 
 
 def estimate_run() -> dict:
@@ -763,6 +798,23 @@ def estimate_run() -> dict:
     train("zero3", "32-true", ESTIMATE_STEPS, None, "cuda", gpt=ESTIMATE_GPT, batch=ESTIMATE_BATCH)
     return {"estimate": none.device_bytes_per_rank, "measured": torch.cuda.max_memory_allocated(0),
             "model": f"GPT {facts.total_numel / 1e6:.0f}M, batch {ESTIMATE_BATCH} x {ESTIMATE_GPT['block_size']}"}
+
+
+def budget_run() -> dict:
+    """``ESTIMATE_GPT`` without offload, then under the automatic plan with a budget below that run's peak."""
+    torch.cuda.reset_peak_memory_stats(0)
+    resident = train("zero3", "32-true", BUDGET_STEPS, None, "cuda", gpt=ESTIMATE_GPT, batch=ESTIMATE_BATCH)
+    budget = int(BUDGET_SHARE * torch.cuda.max_memory_allocated(0))
+    with tempfile.TemporaryDirectory() as swap:
+        auto = {"offload_optimizer": "auto", "offload_params": "auto", "memory_budget": budget, "nvme_path": swap}
+        gc.collect()  # the first run's model and engine go before the second measures its baseline
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(0)
+        offloaded = train("zero3", "32-true", BUDGET_STEPS, None, "cuda", gpt=ESTIMATE_GPT, batch=ESTIMATE_BATCH,
+                          settings=auto)  # fmt: skip
+        peak = torch.cuda.max_memory_allocated(0)
+    return {"budget": budget, "peak": peak, "losses": offloaded["losses"], "resident_losses": resident["losses"],
+            "changes": offloaded["changes"]}  # fmt: skip
 
 
 def monitors_run(accelerator: str) -> dict:

@@ -7,7 +7,9 @@ Tags (each with ``/mean`` and ``/max`` over the ranks), under ``zero3/memory/``:
     ``engine.memory_report()`` at that step;
   - the allocator's figures (``allocator.py``): ``fragmentation`` (0..1) and, on CUDA, ``cached_slack``,
     ``alloc_retries``, ``reserved_bytes``, ``allocated_bytes``; on the host ``heap_arena_bytes``,
-    ``heap_free_bytes``, ``mmapped_bytes``, ``rss_bytes``, ``engine_share_of_rss``.
+    ``heap_free_bytes``, ``mmapped_bytes``, ``rss_bytes``, ``engine_share_of_rss``;
+  - ``plan_level`` under an automatic offload plan (``memory_budget``): the level it holds the budget
+    with, 0 as chosen at setup, higher leaner (see docs/will-it-fit.md).
 
 Advice (once per run) when the worst rank's fragmentation exceeds ``fragmentation_threshold`` (default
 0.15) *and* the wasted bytes matter: at least ``min_wasted_bytes`` (default 64 MiB) and at least
@@ -86,6 +88,8 @@ class MemoryMonitor(Zero3Monitor):
         figures = {f"{name}_bytes": float(value) for name, value in report.items()}
         held = sum(v for k, v in report.items() if not k.startswith("peak_"))
         figures.update(allocator_figures(self.engine.device, held, self._retries_at_start))
+        if self.engine.dynamic_plan is not None:  # the automatic plan's level in force (engine/plan/dynamic.py)
+            figures["plan_level"] = float(self.engine.dynamic_plan.level)
         return figures
 
     def advise(self, mean: Figures, maximum: Figures, trainer: "pl.Trainer") -> list[tuple[str, str]]:
@@ -120,6 +124,8 @@ class MemoryMonitor(Zero3Monitor):
                 "Multiline", [r"zero3/memory/(rss|heap_arena|heap_free|mmapped|reserved|allocated)_bytes/max"]
             ],
         }
+        if self.engine.dynamic_plan is not None:
+            charts["automatic plan level"] = ["Multiline", [r"zero3/memory/plan_level/.*"]]
         if self.engine.device.type == "cuda":
             charts["allocator retries"] = ["Multiline", [r"zero3/memory/alloc_retries/.*"]]
         return {"zero3 memory": charts}

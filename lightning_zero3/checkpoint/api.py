@@ -80,12 +80,15 @@ def save_sharded_checkpoint(
         files[HF_CONFIG] = json.dumps({"prefix": hf[0], **hf_configuration(hf[1])})
     if engine.plan_estimate is not None:  # the automatic offload plan this run took, and why
         files[OFFLOAD_PLAN] = json.dumps(offload_plan(engine), indent=1)
+    if engine.dynamic_plan is not None:  # the plan level in force: a resume starts from it
+        extra = {**extra, DYNAMIC_PLAN: engine.dynamic_plan.state_dict()}
     write_sharded_checkpoint(path, engine.comm, model_state, optimizer_parts, extra, files, checksums=checksums,
                              step=extra.get("global_step"), allow_non_finite=engine.config.save_non_finite)  # fmt: skip
     return_free_heap()
 
 
 OFFLOAD_PLAN = "offload_plan.json"  # inside a sharded checkpoint of a run with offload_*="auto"
+DYNAMIC_PLAN = "zero3_dynamic_plan"  # in the trainer state of such a checkpoint (see engine/plan/dynamic.py)
 
 
 def offload_plan(engine: Zero3Engine) -> dict[str, Any]:
@@ -96,6 +99,7 @@ def offload_plan(engine: Zero3Engine) -> dict[str, Any]:
         "taken": {name: getattr(cfg, name) for name in ("offload_optimizer", "offload_params", "offload_buffer_count",
                                                           "prefetch_bucket_size")},
         "estimated_bytes_per_rank": estimate.device_bytes_per_rank, "why": engine.plan_choice,
+        "in_force": engine.dynamic_plan.state_dict() if engine.dynamic_plan is not None else None,
     }  # fmt: skip
 
 
@@ -240,6 +244,9 @@ def load_sharded_checkpoint(
     _load_states(path, engine, optimizers, extra, saved_names, manifest if checked else None)
     engine.after_states_loaded()
     extra.pop("optimizer_states", None)
+    in_force = extra.pop(DYNAMIC_PLAN, None)
+    if in_force is not None and engine.dynamic_plan is not None and optimizers:  # resuming training
+        engine.dynamic_plan.load_state_dict(in_force)
     return extra
 
 

@@ -182,8 +182,10 @@ class Zero3Config:
     available memory divided by this node's ranks). At setup the engine estimates each plan with what it
     measures (this process's resident memory so far, the first step's activations on the meta device) and
     takes the lightest that fits, sizing ``offload_buffer_count`` and prefetch to it; if none fits it fails
-    before any weight is placed, with the figures. On CPU the figure is the rank's whole resident memory.
-    Ignored when neither offload setting is ``"auto"``."""
+    before any weight is placed, with the figures. While training the budget holds at every step boundary:
+    a step that comes near it makes the next steps keep fewer buffers (see ``engine/plan/dynamic.py``), and
+    one more than 5% over it with nothing left to change ends the run with ``StepOverBudgetError``. On CPU the figure is
+    the rank's whole resident memory. Ignored when neither offload setting is ``"auto"``."""
 
     nvme_path: Optional[str] = None
     """Directory for NVMe swap files (required when either offload setting is ``"nvme"``; the registered

@@ -22,6 +22,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config.settings import OffloadTier, Zero3Config, parse_budget
@@ -47,6 +48,7 @@ from .memory.buffers import (
 )
 from .offload import Offload, PipelinedStep, restore_flags
 from .optimizers import OptimizerSide
+from .plan.dynamic import DynamicPlan, Level, StepMeter, ladder
 from .plan.facts import Activations
 from .plan.resolve import resolve_auto
 from .schedule.hooks import HookManager
@@ -168,6 +170,9 @@ class Zero3Engine(OptimizerSide):
         module.__dict__[_LINK_ATTR] = _EngineLink(self)
         if self.offload is not None:
             self.offload.plan_host_pool([rt.group.shard_numel * rt.group.shard.element_size() for rt in self.runtimes])
+        self.trim_between_phases = False
+        self.set_trim_between_phases(self.plan_estimate is not None and self.plan_estimate.trim_between_phases)
+        self.dynamic_plan = self._dynamic_plan()
         self.optimizers: list[torch.optim.Optimizer] = []
         self._step_handles: list = []
         self._offloaded_steps: list[tuple[PipelinedStep, list[dict]]] = []
@@ -190,6 +195,26 @@ class Zero3Engine(OptimizerSide):
         self.config, self.plan_estimate, self.plan_choice, self.plan_budget = resolve_auto(
             self.module, self.config, self.comm.world_size, local, self.device, master, compute, activations
         )
+
+    def _dynamic_plan(self, state: Optional[dict] = None) -> Optional[DynamicPlan]:
+        """An automatic plan holds its budget while training too (see [Note: the plan at step boundaries]);
+        ``state``: an earlier one's (``DynamicPlan.state_dict``), whose level it takes."""
+        if self.plan_budget is None:
+            return None
+
+        def take(level: Level) -> None:
+            self.schedule.prefetch_numel = level.prefetch_numel
+            self.set_trim_between_phases(level.trim_between_phases)
+
+        def all_reduce_max(figures: torch.Tensor) -> torch.Tensor:
+            return self.comm.all_reduce(figures.to(self.device), dist.ReduceOp.MAX).cpu()
+
+        levels = ladder(self.config.prefetch_bucket_size, self.plan_estimate.trim_between_phases)
+        estimate = self.plan_estimate.device_bytes_per_rank if state is None else None
+        plan = DynamicPlan(self.plan_budget, levels, StepMeter(self.device), take, all_reduce_max, estimate)
+        if state is not None:
+            plan.load_state_dict(state)
+        return plan
 
     def _set_heap_policy(self) -> None:
         # a run sized by its host memory: its states are offloaded to host memory or NVMe of a CPU run
@@ -324,6 +349,8 @@ class Zero3Engine(OptimizerSide):
         self.hooks.queue.overlap = config.overlap_comm
         self.residency.setting = parse_budget(config.inference_memory_budget)
         self._route_gathers(config)
+        if self.dynamic_plan is not None:  # the automatic plan's level in force stays (engine/plan/dynamic.py)
+            self.dynamic_plan = self._dynamic_plan(self.dynamic_plan.state_dict())
 
     def _route_gathers(self, config: Zero3Config) -> None:
         """Secondary shards and int8 gathers as ``config`` asks (see [Note: gather routes] in engine/shard/gather.py);
@@ -495,8 +522,20 @@ class Zero3Engine(OptimizerSide):
         units = ([self.root] if self.root else []) + [rt for _, rt in self.unit_runtimes]
         return {rt.name: rt.group.full.numel() * rt.group.full.element_size() for rt in units}
 
+    def set_trim_between_phases(self, on: bool) -> None:
+        """Hand idle staging buffers back when backward ends and after every optimizer step (a lean level of
+        the automatic plan, see [Note: the plan's levels] in plan/dynamic.py), or keep them for reuse."""
+        self.trim_between_phases = on
+        self.hooks.after_backward = self.pool.trim if on else None
+
+    def trim_after_step(self) -> None:
+        """After an optimizer step, where ``trim_between_phases`` asks: every idle buffer goes back."""
+        if self.trim_between_phases:
+            self.trim()
+
     def trim(self) -> None:
-        """Hand idle staging buffers back to the kernel (between phases: after ``fit``, before evaluation)."""
+        """Hand idle staging buffers back to the kernel (between phases: after ``fit``, before evaluation;
+        after every step where ``trim_between_phases``)."""
         self.pool.trim()
         if self.offload is not None:
             self.offload.settle()

@@ -2,7 +2,8 @@
 the offload tiers, and the full (unsharded) optimizer state for checkpoints.
 
 ``OptimizerSide`` is mixed into ``Zero3Engine`` (``engine.py``) and reads the engine's own attributes:
-``slots``, ``runtimes``, ``offload``, ``ledger``, ``optimizers``, ``host_sized``, ``refresh_gathered``.
+``slots``, ``runtimes``, ``offload``, ``ledger``, ``optimizers``, ``host_sized``, ``refresh_gathered``,
+``trim_between_phases`` and ``trim_after_step``.
 It lives apart so that each file keeps one job; it is never used alone.
 """
 
@@ -60,7 +61,9 @@ class OptimizerSide:
                 if group.gathered:
                     group.gather(force=True)
             self.note_optimizer_state()
-            if self.host_sized:
+            if self.trim_between_phases:
+                self.trim_after_step()  # also returns the free heap
+            elif self.host_sized:
                 return_free_heap()  # [Note: the heap between steps] in memory/buffers.py
 
         return hook

@@ -260,6 +260,20 @@ def test_the_estimate_row_states_estimate_measured_and_ratio_and_is_skipped_with
     assert rows[-1] == Row("estimate", "INFO", "skipped: needs CUDA")
 
 
+def test_the_budget_row_holds_the_whole_run_peak_to_the_budget_with_the_losses_of_no_offload():
+    run = {"budget": 1000 * 2**20, "peak": 1020 * 2**20, "losses": [2.0, 1.5], "resident_losses": [2.0, 1.5],
+           "changes": [{"step": 1, "level": 1}]}  # fmt: skip
+    ok, detail = gpu_check.budget_verdict(run)
+    assert ok and detail.startswith("peak 1,020 MiB of a 1,000 MiB budget (1.020x, within 3%)")
+    assert detail.endswith("plan changes: step 1: level 1")
+    assert not gpu_check.budget_verdict({**run, "peak": 1040 * 2**20})[0]
+    assert not gpu_check.budget_verdict({**run, "losses": [2.0, 1.6]})[0]
+    assert gpu_check.run_worker("budget", "cpu")["skipped"].startswith("skipped")
+    rows = gpu_check.verdicts({**{n: "not run" for n in (*gpu_check.CONCURRENT_WORKERS, "timing", "estimate")},
+                               "budget": {"skipped": "skipped: needs CUDA"}})  # fmt: skip
+    assert rows[-1] == Row("budget", "INFO", "skipped: needs CUDA")
+
+
 def _startup_rank(total: float) -> dict:
     return {"imported": 2.0, "launched": 3.0, "configure_start": 3.5, "configure_end": 4.0, "engine_ready": 5.0,
             "first_batch": 5.5, "first_step_end": total, "read_in_configure": 0.1, "read_in_setup": 0.4}  # fmt: skip

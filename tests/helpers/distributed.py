@@ -60,10 +60,12 @@ def _script_environment() -> dict[str, str]:
     return {**env, "PYTHONWARNINGS": "ignore"}
 
 
-def run_script(script: Path, *args: str, timeout: int = 600) -> None:
-    """Run one of ``tests/scripts`` in a fresh interpreter (it launches its own ranks); fail with its output tail."""
+def run_script(script: Path, *args: str, timeout: int = 600, fails: bool = False) -> subprocess.CompletedProcess:
+    """Run one of ``tests/scripts`` in a fresh interpreter (it launches its own ranks); fail with its output tail
+    unless it succeeded (with ``fails``: unless it failed). Returns the finished process."""
     done = subprocess.run(
         [sys.executable, str(script), *map(str, args)],
         capture_output=True, text=True, timeout=timeout, env=_script_environment(),
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert (done.returncode != 0) == fails, done.stdout[-3000:] + done.stderr[-5000:]
+    return done

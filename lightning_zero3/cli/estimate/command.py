@@ -26,7 +26,7 @@ from .job import JobSpec, from_hf, from_yaml
 COLUMNS = (("param_shards", "params"), ("grad_shards", "grads"), ("optimizer_state", "optim"),
            ("persistent_params", "persist"), ("gathered_peak", "gathered"), ("grad_staging", "grad stage"),
            ("activations", "activ"), ("activations_checkpointed", "activ ckpt"), ("nvme_staging", "nvme stage"),
-           ("baseline", "baseline"), ("device_bytes_per_rank", "TOTAL/rank"), ("host_bytes_per_node", "host/node"),
+           ("kept_between_steps", "kept"), ("baseline", "baseline"), ("device_bytes_per_rank", "TOTAL/rank"), ("host_bytes_per_node", "host/node"),
            ("nvme_bytes", "nvme/node"))  # fmt: skip
 
 
@@ -99,6 +99,7 @@ def run(argv) -> list[dict]:
         try:
             chosen, _, _ = choose_plan(facts, activations, job, *wanted)
             wanted = (chosen.offload_optimizer, chosen.offload_params)
+            rows = [chosen if row.plan == chosen.plan else row for row in rows]  # at the sizing it was chosen with
         except NothingFitsError:
             wanted = (None, None, None)
     out = []
@@ -131,7 +132,12 @@ def table(rows: list[dict], spec: JobSpec, params: int, world: int) -> str:
              f"batch {spec.batch_size} x {spec.seq_len} per rank; GB per rank unless said; estimates, {where}"
              + (f"; budget {device / 1e9:.2f} GB per rank" if device else "")
              + ("; totals with activation checkpointing" if rows[0]["activation_checkpointing"] else ""))  # fmt: skip
-    return "\n".join([title, *text])
+    note = ("kept: the staging the first step fills and every later step starts with (grad stage, and on CPU ranks "
+            "nvme stage too): the growth after the first step, counted in TOTAL/rank")
+    if any(r["trim_between_phases"] for r in rows):
+        note += ("\nthe selected plan returns idle buffers between phases: TOTAL/rank counts the larger of backward's "
+                 "staging (grad stage and what streams through it) and the optimizer step's (nvme stage), and kept is 0")
+    return "\n".join([title, *text, note])
 
 
 def main(argv=None) -> int:

@@ -41,19 +41,20 @@ def choose_plan(facts: ModelFacts, activations: Activations, job: Job, offload_o
     tried: list[PlanEstimate] = []
     for name, opt, par in allowed_plans(offload_optimizer, offload_params):
         counts = range(job.buffer_count, 1, -1) if opt == OffloadTier.NVME else [job.buffer_count]
-        for prefetch in dict.fromkeys([job.prefetch_numel, 0]):
+        sizings = [(trim, prefetch, count) for trim in (False, True) for prefetch in dict.fromkeys([job.prefetch_numel, 0])
+                   for count in counts]  # fmt: skip
+        for trim, prefetch, count in sizings:
             sized = dataclasses.replace(job, prefetch_numel=prefetch)
-            for count in counts:
-                estimate = estimate_plan(name, opt, par, facts, activations, sized, buffer_count=count)
-                if estimate.fits is not False:
-                    lighter = ", ".join(f"{t.plan} needs {t.device_bytes_per_rank / 1e9:.2f} GB at least" for t in tried)
-                    why = (f"{name} is the lightest plan that fits {job.device_memory / 1e9:.2f} GB per rank: "
-                           f"{estimate.device_bytes_per_rank / 1e9:.2f} GB estimated with offload_buffer_count={count}, "
-                           f"prefetch_bucket_size={prefetch}"
-                           + (f" (lighter plans do not fit: {lighter})" if lighter else ""))  # fmt: skip
-                    settings = {"offload_optimizer": opt, "offload_params": par,
-                                "offload_buffer_count": count, "prefetch_bucket_size": prefetch}  # fmt: skip
-                    return estimate, settings, why
+            estimate = estimate_plan(name, opt, par, facts, activations, sized, count, trim)
+            if estimate.fits is not False:
+                lighter = ", ".join(f"{t.plan} needs {t.device_bytes_per_rank / 1e9:.2f} GB at least" for t in tried)
+                why = (f"{name} is the lightest plan that fits {job.device_memory / 1e9:.2f} GB per rank: "
+                       f"{estimate.device_bytes_per_rank / 1e9:.2f} GB estimated with offload_buffer_count={count}, "
+                       f"prefetch_bucket_size={prefetch}" + (", idle buffers returned between phases" if trim else "")
+                       + (f" (lighter plans do not fit: {lighter})" if lighter else ""))  # fmt: skip
+                settings = {"offload_optimizer": opt, "offload_params": par,
+                            "offload_buffer_count": count, "prefetch_bucket_size": prefetch}  # fmt: skip
+                return estimate, settings, why
         tried.append(estimate)  # at its smallest sizing: what the error reports
     raise NothingFitsError(_nothing_fits(tried, facts, activations, job))
 

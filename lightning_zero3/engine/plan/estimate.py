@@ -86,12 +86,14 @@ class PlanEstimate:
     activations_checkpointed: int
     baseline: int
     nvme_staging: int
+    kept_between_steps: int  # the staging on the device that the first step fills and every later step starts with
     # where they live
     model_state_bytes_per_rank: int  # shards + gradients + masters + state, wherever they are
     device_bytes_per_rank: int
     host_bytes_per_rank: int
     host_bytes_per_node: int
     nvme_bytes: int  # per node
+    trim_between_phases: bool = False  # idle staging buffers go back between phases (see below)
     fits: Optional[bool] = None
     why: list = field(default_factory=list)
     selected: bool = False
@@ -120,7 +122,8 @@ def estimate_plans(facts: ModelFacts, activations: Activations, job: Job, buffer
 
 
 def estimate_plan(name: str, offload_optimizer: Optional[str], offload_params: Optional[str], facts: ModelFacts,
-                  activations: Activations, job: Job, buffer_count: Optional[int] = None) -> PlanEstimate:  # fmt: skip
+                  activations: Activations, job: Job, buffer_count: Optional[int] = None,
+                  trim_between_phases: bool = False) -> PlanEstimate:  # fmt: skip
     m = job.master_bytes
     params = facts.shard_numel * m
     grads = facts.trainable_shard_numel * m
@@ -143,11 +146,14 @@ def estimate_plan(name: str, offload_optimizer: Optional[str], offload_params: O
     act = act_ckpt if job.activation_checkpointing else act_full
     count = buffer_count if buffer_count is not None else job.buffer_count
     largest_group = max(facts.group_shard_numels, default=0) * m
-    staging = 0
+    staging = 0  # NVMe staging at its peak (the optimizer step); in forward and backward only ``streaming``
+    streaming = 0  # gradients written behind as backward reduces them, and parameter shards read ahead
     if offload_optimizer == OffloadTier.NVME:
         staging = count * (2 + job.state_per_element) * largest_group
+        streaming = count * largest_group
         if offload_params == OffloadTier.NVME:
             staging += count * largest_group
+            streaming += count * largest_group
 
     on_device = {"params": params, "grads": grads, "state": state}
     on_host = {}
@@ -164,15 +170,23 @@ def estimate_plan(name: str, offload_optimizer: Optional[str], offload_params: O
     device = sum(on_device.values()) + transient + job.baseline_device
     host = sum(on_host.values()) + staging + job.baseline_host
     if job.on_cpu:  # one memory: the rank's resident set holds it all
-        device, host = device + host, device + host
+        device = host = device + host
+        if trim_between_phases:
+            # [Note: the plan's levels] in dynamic.py: gradient staging goes back when backward ends and NVMe
+            # staging after the optimizer step, so the two phases peak apart; forward and backward hold only
+            # what streams through them (gradients written behind, parameter shards read ahead)
+            phases = max(gathered + grad_staging + act + streaming, staging)
+            device = host = device - (gathered + grad_staging + act + staging) + phases
     model_states = params + grads + state
     estimate = PlanEstimate(
         plan=name, offload_optimizer=offload_optimizer, offload_params=offload_params,
         param_shards=params, grad_shards=grads, masters=0, optimizer_state=state, persistent_params=persistent,
         gathered_peak=gathered, grad_staging=grad_staging, activations=act_full, activations_checkpointed=act_ckpt,
         baseline=job.baseline_device + (0 if job.on_cpu else job.baseline_host), nvme_staging=staging,
+        kept_between_steps=0 if trim_between_phases else grad_staging + (staging if job.on_cpu else 0),
         model_state_bytes_per_rank=model_states, device_bytes_per_rank=device, host_bytes_per_rank=host,
         host_bytes_per_node=host * job.ranks_per_node, nvme_bytes=sum(on_nvme.values()) * job.ranks_per_node,
+        trim_between_phases=trim_between_phases,
     )  # fmt: skip
     _check_fit(estimate, job)
     return estimate

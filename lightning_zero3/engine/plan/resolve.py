@@ -13,9 +13,9 @@ does (``measure_activations``): the LightningModule's own ``training_step`` on a
 the job's (one sample of the training set, repeated to the loader's batch size; see frontends/trainer/strategy.py). That
 needs the model's parameters still on the meta device (built in ``configure_model`` or under
 ``Trainer.init_module(empty_init=True)``, the way a model too big for one process is built anyway) and a
-map-style training set. Where either is missing the activations count as 0, the log says so, and the
-strategy compares the first step's measured peak with the budget and warns, with the figures, if the plan
-does not hold to it (it cannot change the plan then).
+map-style training set. Where either is missing the activations count as 0 and the log says so; the
+steps' measured peaks then move the plan at step boundaries (see [Note: the plan at step boundaries] in
+dynamic.py).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def resolve_auto(module: nn.Module, config: Zero3Config, world_size: int, local_
                                           config.offload_params)  # fmt: skip
     act = estimate.activations_checkpointed if job.activation_checkpointing else estimate.activations
     why += (f"; activations {act / 1e9:.2f} GB, measured on the meta device" if measured else
-            "; activations not known at setup (counted as 0; the first step is checked against the budget)")
+            "; activations not known at setup (counted as 0; the steps' peaks adjust the plan while training)")
     resolved = dataclasses.replace(config, memory_budget=None, **settings)
     log.info("zero3: offload plan %s (%s)", estimate.plan, why)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -131,6 +131,7 @@ class HookManager:
         self._handles: list[RemovableHandle] = []
         self._root_depth = 0
         self._backward_running = False  # a backward pass has started and its end callback is queued
+        self.after_backward: Optional[Callable[[], None]] = None  # called once every gradient is reduced
         self._handles.append(root_module.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True))
         self._handles.append(root_module.register_forward_hook(_eager(self._root_post_forward)))
         for module, runtime in ([(root_module, root)] if root else []) + units:
@@ -355,6 +356,8 @@ class HookManager:
         self.schedule.end_backward()  # compares recorded traces across ranks (may raise)
         _check_trainable_set(self.runtimes)
         _check_no_late_gradients(self.runtimes)
+        if self.after_backward is not None:
+            self.after_backward()
 
 
 def _late_gradient(runtime: UnitRuntime, param: torch.Tensor) -> ExecutionOrderError:

@@ -1,6 +1,7 @@
 """The Trainer's side of the automatic offload plan (``offload_*="auto"``): the activations of the job's
-own training step, measured on the meta device before the engine is built, and the first step's measured
-peak compared with the budget (see [Note: activations at setup] in engine/plan/resolve.py)."""
+own training step, measured on the meta device before the engine is built (see [Note: activations at
+setup] in engine/plan/resolve.py). While training, the plan holds its budget at step boundaries (see
+[Note: the plan at step boundaries] in engine/plan/dynamic.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import default_collate
 
 from ...config.settings import Zero3Config
-from ...engine.memory.proc import STATUS, kib_field_bytes
 from ...engine.plan import Activations, measure_activations
 
 log = logging.getLogger("lightning_zero3")
@@ -21,7 +21,8 @@ log = logging.getLogger("lightning_zero3")
 
 def _meta_batch(trainer: Any) -> Optional[Any]:
     """A batch shaped like the training loader's, on the meta device: one sample of its (map-style) data
-    set, repeated to its batch size. None where the loader does not say (an iterable data set, a batch
+    set, repeated to its batch size: the largest where the data module names it (``largest_sample_index()``,
+    as the jsonl and image-text modules do), else the first. None where the loader does not say (an iterable data set, a batch
     sampler). Building the loader draws no random numbers (a shuffling sampler draws when iterated)."""
     source = trainer.fit_loop._data_source
     if not source.is_defined():
@@ -31,7 +32,9 @@ def _meta_batch(trainer: Any) -> Optional[Any]:
     dataset = getattr(loader, "dataset", None)
     if not batch_size or dataset is None or not hasattr(dataset, "__getitem__"):
         return None
-    batch = (getattr(loader, "collate_fn", None) or default_collate)([dataset[0]] * batch_size)
+    largest = getattr(trainer.datamodule, "largest_sample_index", None)  # where the data module knows it
+    sample = dataset[largest() if callable(largest) else 0]
+    batch = (getattr(loader, "collate_fn", None) or default_collate)([sample] * batch_size)
     return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, batch)
 
 
@@ -61,28 +64,3 @@ def step_activations(trainer: Any, module: torch.nn.Module, config: Zero3Config)
         return None
     finally:
         module._trainer = owner
-
-
-def _peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return kib_field_bytes(STATUS, "VmHWM") or 0  # the rank's resident high-water mark so far
-
-
-def first_step_warning(engine: Any) -> Optional[str]:
-    """After the first training step of an automatic plan: a warning with the figures if the step's measured
-    peak went over the budget the plan was chosen for (the plan cannot change now), else None."""
-    estimate, budget = engine.plan_estimate, engine.plan_budget
-    if estimate is None or not budget:
-        return None
-    peak = _peak_bytes(engine.device)
-    if peak <= budget:
-        return None
-    what = "resident memory (VmHWM)" if engine.device.type == "cpu" else "torch.cuda.max_memory_allocated"
-    return (
-        f"zero3: the automatic offload plan {estimate.plan} was chosen to fit memory_budget={budget / 1e9:.3f} GB "
-        f"per rank (estimated {estimate.device_bytes_per_rank / 1e9:.3f} GB), but the first training step peaked "
-        f"at {peak / 1e9:.3f} GB ({what}), {(peak - budget) / 1e9:.3f} GB over. The plan cannot change while "
-        "training; lower memory_budget by that much so a deeper plan is taken, turn on activation "
-        "checkpointing, or use a smaller batch."
-    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +35,7 @@ from ...engine.layout.materialize import move_real_tensors
 from ...errors import Zero3ConfigError
 from ...export.full_weights import save_full_weights
 from ..shared_setup import ProcessesMixin, built_on_meta, new_engine, refuse_untrainable, register_names
-from .auto_plan import first_step_warning, step_activations
+from .auto_plan import step_activations
 from .checkpointing import CheckpointingMixin
 from .phases import PhasesMixin
 from .precision import Zero3Precision, check_device_supports, to_zero3_precision
@@ -187,7 +186,7 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
         else:
             self._reuse(engine, dtypes)
         self._engine = engine
-        self._plan_unchecked = fitting and engine.plan_estimate is not None
+        self._plan_dynamic = fitting and engine.plan_estimate is not None
         self.model = _RootCall(module)
         precision.engine = engine
         precision.device_type = self.root_device.type
@@ -250,11 +249,9 @@ class Zero3Strategy(CheckpointingMixin, ProcessesMixin, PhasesMixin, ParallelStr
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         engine = self._engine
-        if getattr(self, "_plan_unchecked", False) and engine is not None and self.lightning_module.trainer.global_step >= 1:
-            self._plan_unchecked = False  # the first step is done: did the automatic plan hold to its budget?
-            warning = first_step_warning(engine)
-            if warning:
-                warnings.warn(f"rank {self.global_rank}: {warning}", stacklevel=2)
+        if getattr(self, "_plan_dynamic", False) and engine is not None and engine.dynamic_plan is not None:
+            # the automatic plan holds its budget: see [Note: the plan at step boundaries] in engine/plan/dynamic.py
+            engine.dynamic_plan.step_boundary(self.lightning_module.trainer.global_step)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
