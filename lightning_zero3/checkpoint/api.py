@@ -40,9 +40,8 @@ from .sharded import (
     optimizer_pieces,
     optimizer_targets,
     split_optimizer_part,
-    files_may_be_held,
 )
-from .verify import check_and_hold, check_shared_files
+from .verify import check_shared_files, checking_shard_files
 
 
 def _describe_model(model_state: dict[str, Any]) -> tuple[dict, dict]:
@@ -229,7 +228,7 @@ def load_sharded_checkpoint(
 
     The checkpoint may have been written by any number of ranks (see [Note: flat pieces in DCP]). Its
     files are checked against their checksums before any weight changes, each read from the disk once
-    (see [Note: a load reads each file once] in verify.py; not with ``verify=False``, for measuring what
+    (see [Note: checking beside the load] in verify.py; not with ``verify=False``, for measuring what
     that costs)."""
     manifest = read_manifest(path)
     check_model_fits(engine, manifest["params"], manifest["buffers"], strict)
@@ -248,8 +247,10 @@ def _load_states(
     checked: Optional[dict] = None,
 ) -> None:
     """Fill the shards and the optimizers' state; with ``checked`` (the manifest), the shard files are
-    checked first and their bytes handed to DCP from memory (``check_and_hold``)."""
+    checked while the optimizer states that land in tensors of their own are read, and the rest is read
+    once every rank agreed that all files are good (see [Note: checking beside the load] in verify.py)."""
     targets = model_targets(engine, saved_names)
+    fresh: dict[str, FlatPiece] = {}  # optimizer states read into new tensors: nothing uses them yet
     optimizer_states = []
     if optimizers:
         if "optimizer_states" not in extra:
@@ -268,12 +269,14 @@ def _load_states(
         for index, (optimizer, rest) in enumerate(zip(optimizers, saved)):
             pieces, optimizer_state = optimizer_targets(engine, optimizer, index, rest, dtypes)
             targets.update(pieces)
+            fresh.update({key: piece for key, piece in pieces.items() if piece.source is None})
             optimizer_states.append(optimizer_state)
-    held = None
-    if checked:
-        held = check_and_hold(path, checked, engine.comm, files_read(targets, path), hold=files_may_be_held(engine))
     with torch.no_grad():
-        load_pieces(targets, path, engine.comm.group, held=held)
+        if checked:
+            with checking_shard_files(path, checked, engine.comm, files_read(targets, path)):
+                load_pieces(fresh, path, engine.comm.group)
+            targets = {key: value for key, value in targets.items() if key not in fresh}
+        load_pieces(targets, path, engine.comm.group)
     for optimizer, optimizer_state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(optimizer_state)
         engine.keep_host_kernel(optimizer)
