@@ -247,38 +247,54 @@ def _load_states(
     checked: Optional[dict] = None,
 ) -> None:
     """Fill the shards and the optimizers' state; with ``checked`` (the manifest), the shard files are
-    checked while the optimizer states that land in tensors of their own are read, and the rest is read
-    once every rank agreed that all files are good (see [Note: checking beside the load] in verify.py)."""
+    checked while the optimizer states that land in tensors of their own are made and read, and the rest
+    is read once every rank agreed that all files are good (see [Note: checking beside the load] in
+    verify.py)."""
     targets = model_targets(engine, saved_names)
-    fresh: dict[str, FlatPiece] = {}  # optimizer states read into new tensors: nothing uses them yet
-    optimizer_states = []
-    if optimizers:
-        if "optimizer_states" not in extra:
-            raise CheckpointMismatchError(
-                f"zero3: {path} holds no optimizer state (was it saved with `save_weights_only=True`?), so "
-                "training cannot resume from it; resume from a full training checkpoint instead."
-            )
-        saved = extra["optimizer_states"]
-        if len(saved) != len(optimizers):
-            raise CheckpointMismatchError(
-                f"zero3: the checkpoint holds {len(saved)} optimizer state(s) but {len(optimizers)} optimizer(s) "
-                "are to be loaded; resume with the optimizers the checkpoint was written with."
-            )
-        dtypes = {key: md.properties.dtype for key, md in read_dcp_metadata(path).state_dict_metadata.items()
-                  if hasattr(md, "properties")}  # fmt: skip
-        for index, (optimizer, rest) in enumerate(zip(optimizers, saved)):
-            pieces, optimizer_state = optimizer_targets(engine, optimizer, index, rest, dtypes)
-            targets.update(pieces)
-            fresh.update({key: piece for key, piece in pieces.items() if piece.source is None})
-            optimizer_states.append(optimizer_state)
-    with torch.no_grad():
-        if checked:
-            with checking_shard_files(path, checked, engine.comm, files_read(targets, path)):
+    if not checked:
+        pieces, optimizer_states = _optimizer_targets(path, engine, optimizers, extra)
+        with torch.no_grad():
+            load_pieces({**targets, **pieces}, path, engine.comm.group)
+    else:
+        # the files the weights come from are the ones this rank reads: their optimizer states lie beside them
+        with checking_shard_files(path, checked, engine.comm, files_read(targets, path)):
+            pieces, optimizer_states = _optimizer_targets(path, engine, optimizers, extra)
+            fresh = {key: piece for key, piece in pieces.items() if piece.source is None}  # new tensors, unused yet
+            with torch.no_grad():
                 load_pieces(fresh, path, engine.comm.group)
-            targets = {key: value for key, value in targets.items() if key not in fresh}
-        load_pieces(targets, path, engine.comm.group)
+        with torch.no_grad():
+            load_pieces({**targets, **{k: p for k, p in pieces.items() if k not in fresh}}, path, engine.comm.group)
     for optimizer, optimizer_state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(optimizer_state)
         engine.keep_host_kernel(optimizer)
     engine.note_optimizer_state()
+
+
+def _optimizer_targets(
+    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict
+) -> tuple[dict[str, FlatPiece], list[dict]]:
+    """Where the checkpoint's state of each of ``optimizers`` lands (``optimizer_targets``), all together,
+    and the state dicts that hold it."""
+    if not optimizers:
+        return {}, []
+    if "optimizer_states" not in extra:
+        raise CheckpointMismatchError(
+            f"zero3: {path} holds no optimizer state (was it saved with `save_weights_only=True`?), so "
+            "training cannot resume from it; resume from a full training checkpoint instead."
+        )
+    saved = extra["optimizer_states"]
+    if len(saved) != len(optimizers):
+        raise CheckpointMismatchError(
+            f"zero3: the checkpoint holds {len(saved)} optimizer state(s) but {len(optimizers)} optimizer(s) "
+            "are to be loaded; resume with the optimizers the checkpoint was written with."
+        )
+    dtypes = {key: md.properties.dtype for key, md in read_dcp_metadata(path).state_dict_metadata.items()
+              if hasattr(md, "properties")}  # fmt: skip
+    pieces: dict[str, FlatPiece] = {}
+    states = []
+    for index, (optimizer, rest) in enumerate(zip(optimizers, saved)):
+        own, state = optimizer_targets(engine, optimizer, index, rest, dtypes)
+        pieces.update(own)
+        states.append(state)
+    return pieces, states
 
