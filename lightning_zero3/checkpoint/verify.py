@@ -20,12 +20,13 @@ into its weights while another has refused, and none waits for a rank that gave 
    reads from it in this load (at the world size it was saved with, rank ``r`` reads exactly its own
    files), or by rank ``r mod world_size`` when none does. A helper thread of the checking rank hashes
    each file in one sequential pass through the page cache (see [Note: checking a file in one sequential
-   pass] in export/digests.py) while the load goes on with what changes nothing yet: the optimizer
-   states that land in tensors of their own, which only ``optimizer.load_state_dict`` installs once the
-   ranks agreed (api.py). The weights, and states that land in place (NVMe swap files), are read after
-   the agreement, from the page cache. So the disk is read once, and what the check adds to a load is
-   the hash and a second copy of the weights' bytes out of the page cache, both beside work the load
-   does anyway.
+   pass] in export/digests.py) while the load goes on with what changes nothing yet: making the tensors
+   the optimizer states land in and reading them, which only ``optimizer.load_state_dict`` installs once
+   the ranks agreed (api.py). The weights, and states that land in place (NVMe swap files), are read
+   after the agreement, from the page cache the check filled (as long as a node's share of the
+   checkpoint fits in it). So the disk is read once and no file is held in memory; what the check adds is
+   the hash and one copy out of the page cache on the helper thread, and the weights' reads no longer
+   overlapping the disk's.
 
 Consolidation writes into a staging file that only a complete, checked run renames into place, so its
 ``BackgroundCheck`` runs beside the whole consolidation and is waited for before the last tensor is
