@@ -366,8 +366,8 @@ def test_resharded_loads_and_consolidation_check_every_file(corrupted, tmp_path)
 
 
 def _refused_loads_case(rank: int, world: int, paths: list[str], config: Zero3Config = CONFIG) -> list[dict]:
-    """Each of the damaged checkpoints ``paths`` loaded into a model that has trained a step: the error,
-    and whether its weights and optimizer state are still what they were."""
+    """Each of the damaged checkpoints ``paths`` loaded into a model that has trained a step: the error of
+    each, once this rank's weights and optimizer state are found to be what they were before it."""
     model, engine, optimizer = _sharded(seed=1, config=config)
     _train(model, optimizer, rank, world, range(1))
     before = {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer)}
@@ -393,7 +393,8 @@ def _assert_refused_everywhere(results: list[list[dict]], damaged: list[tuple[Pa
         assert len(messages) == 1, messages  # the same error on every rank
         message = messages.pop()
         expected = json.loads((path / "zero3.json").read_text())["checksums"]["files"][name]
-        assert re.search(rf"{re.escape(str(path / name))}: rank \d read it and found the xxh3_64 checksum", message), message
+        found = rf"{re.escape(str(path / name))}: rank \d read it and found the xxh3_64 checksum"
+        assert re.search(found, message), message
         assert f"written with {expected}" in message and "nothing was loaded" in message
 
 
@@ -418,7 +419,8 @@ def flip_item(path: Path, key: str) -> str:
 
 def test_flipped_bytes_in_a_checkpoint_saved_under_nvme_offload_are_refused_on_every_rank(tmp_path):
     # the states live in swap files: saved straight from them, and loaded straight into them after the check
-    config = dataclasses.replace(CONFIG, offload_optimizer="nvme", offload_params="nvme", nvme_path=str(tmp_path / "swap"))
+    nvme = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path / "swap")}
+    config = dataclasses.replace(CONFIG, **nvme)
     path = tmp_path / "nvme"
     run_ranks(_save_case, 2, str(path), config)
     damaged = [(path, flip_item(path, "exp_avg_sq"))]  # an optimizer state that lived only in its swap file
