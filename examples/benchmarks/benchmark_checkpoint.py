@@ -21,8 +21,9 @@ Three measurements, in one run, in a scratch directory on the disk under test (`
 
 Checksums: (2) and (3) are each done with checksums (written with every file, checked before a load or
 consolidation changes anything) and without (``checksums=False`` / ``verify=False``), alternating which
-goes first and syncing the disk before each save, and the table gives both times and their ratio, and
-the growth of a rank's peak resident memory during each load.
+goes first and syncing the disk before each save, and the table gives both medians and their ratio, each
+arm's spread over the runs (min / median / max: the host's own noise, against which a ratio is judged),
+and the growth of a rank's peak resident memory during each load.
 """
 
 from __future__ import annotations
@@ -260,12 +261,19 @@ def consolidation(args: argparse.Namespace, scratch: Path) -> dict:
     figures = min(loads["on"], key=lambda f: f["seconds"])  # memory figures of a checked consolidation
     figures = {**figures, "seconds": statistics.median(f["seconds"] for f in loads["on"]),
                "seconds_unchecked": statistics.median(f["seconds"] for f in loads["off"]),
-               "save_s": statistics.median(saves["on"]), "save_s_unchecked": statistics.median(saves["off"])}  # fmt: skip
+               "save_s": statistics.median(saves["on"]), "save_s_unchecked": statistics.median(saves["off"]),
+               "spreads": {"save": [spread(saves["on"]), spread(saves["off"])],
+                           "consolidate": [spread([f["seconds"] for f in loads[k]]) for k in ("on", "off")]}}  # fmt: skip
     figures.update(params=sum(sizes) // 4, model_bytes=sum(sizes), largest=max(sizes), out_bytes=out_bytes)
     return figures
 
 
 # -- driver ----------------------------------------------------------------------------------------
+
+
+def spread(values) -> list[float]:
+    """min, median, max of the runs' figures."""
+    return [min(values), statistics.median(values), max(values)]
 
 
 def spawn(fn, args: argparse.Namespace, out: str) -> None:
@@ -295,6 +303,8 @@ def main(args: argparse.Namespace) -> dict:
             "save_gbs": nbytes / save_s / 1e9, "load_gbs": nbytes / load_s / 1e9,
             "save_s_unchecked": statistics.median(t[0] for t in off),
             "load_s_unchecked": statistics.median(t[1] for t in off),
+            "spreads": {"save": [spread([t[0] for t in on]), spread([t[0] for t in off])],
+                        "load": [spread([t[1] for t in on]), spread([t[1] for t in off])]},
         }  # fmt: skip
         if on[0][3] is not None:  # the growth of the peak resident memory of a rank during the load
             figures["load_rss_growth"] = statistics.median(t[3] for t in on)
@@ -322,14 +332,17 @@ def print_table(f: dict, args: argparse.Namespace) -> None:
     print(f"{'load':<8}{f['load_gbs']:>17.2f}{f['disk_read_gbs']:>11.2f}{f['load_gbs'] / f['disk_read_gbs']:>8.2f}"
           f"{f['load_s']:>9.2f}")  # fmt: skip
     print(f"\nChecksums (xxh3_64 of every file as it is written, checked before a load), same run")
-    print(f"{'':<28}{'with':>9}{'without':>9}{'ratio':>8}")
-    rows = [("save", f["save_s"], f["save_s_unchecked"]), ("load", f["load_s"], f["load_s_unchecked"])]
+    print(f"{'':<28}{'with':>9}{'without':>9}{'ratio':>8}   spread with / without: min-median-max s")
+    rows = [("save", f["save_s"], f["save_s_unchecked"], f["spreads"]["save"]),
+            ("load", f["load_s"], f["load_s_unchecked"], f["spreads"]["load"])]  # fmt: skip
     c = f.get("consolidation")
     if c:
-        rows += [(f"save, {c['params'] / 1e9:.2f}B weights", c["save_s"], c["save_s_unchecked"]),
-                 (f"consolidate, {c['params'] / 1e9:.2f}B (cold)", c["seconds"], c["seconds_unchecked"])]  # fmt: skip
-    for name, with_s, without_s in rows:
-        print(f"{name:<28}{with_s:>9.2f}{without_s:>9.2f}{with_s / without_s:>8.3f}")
+        rows += [(f"save, {c['params'] / 1e9:.2f}B weights", c["save_s"], c["save_s_unchecked"], c["spreads"]["save"]),
+                 (f"consolidate, {c['params'] / 1e9:.2f}B (cold)", c["seconds"], c["seconds_unchecked"],
+                  c["spreads"]["consolidate"])]  # fmt: skip
+    for name, with_s, without_s, (on, off) in rows:
+        ranges = " / ".join("-".join(f"{s:.2f}" for s in arm) for arm in (on, off))
+        print(f"{name:<28}{with_s:>9.2f}{without_s:>9.2f}{with_s / without_s:>8.3f}   {ranges}")
     if "load_rss_growth" in f:
         mib = 1 << 20
         print(f"{'load: peak RSS growth, MiB':<28}{f['load_rss_growth'] / mib:>9.0f}{f['load_rss_growth_unchecked'] / mib:>9.0f}"

@@ -40,9 +40,8 @@ from .sharded import (
     optimizer_pieces,
     optimizer_targets,
     split_optimizer_part,
-    files_may_be_held,
 )
-from .verify import check_and_hold, check_shared_files
+from .verify import check_shared_files, checking_shard_files
 
 
 def _describe_model(model_state: dict[str, Any]) -> tuple[dict, dict]:
@@ -233,7 +232,7 @@ def load_sharded_checkpoint(
 
     The checkpoint may have been written by any number of ranks (see [Note: flat pieces in DCP]). Its
     files are checked against their checksums before any weight changes, each read from the disk once
-    (see [Note: a load reads each file once] in verify.py; not with ``verify=False``, for measuring what
+    (see [Note: checking beside the load] in verify.py; not with ``verify=False``, for measuring what
     that costs)."""
     manifest = read_manifest(path)
     check_model_fits(engine, manifest["params"], manifest["buffers"], strict)
@@ -255,34 +254,54 @@ def _load_states(
     checked: Optional[dict] = None,
 ) -> None:
     """Fill the shards and the optimizers' state; with ``checked`` (the manifest), the shard files are
-    checked first and their bytes handed to DCP from memory (``check_and_hold``)."""
+    checked while the optimizer states that land in tensors of their own are made and read, and the rest
+    is read once every rank agreed that all files are good (see [Note: checking beside the load] in
+    verify.py)."""
     targets = model_targets(engine, saved_names)
-    optimizer_states = []
-    if optimizers:
-        if "optimizer_states" not in extra:
-            raise CheckpointMismatchError(
-                f"zero3: {path} holds no optimizer state (was it saved with `save_weights_only=True`?), so "
-                "training cannot resume from it; resume from a full training checkpoint instead."
-            )
-        saved = extra["optimizer_states"]
-        if len(saved) != len(optimizers):
-            raise CheckpointMismatchError(
-                f"zero3: the checkpoint holds {len(saved)} optimizer state(s) but {len(optimizers)} optimizer(s) "
-                "are to be loaded; resume with the optimizers the checkpoint was written with."
-            )
-        dtypes = {key: md.properties.dtype for key, md in read_dcp_metadata(path).state_dict_metadata.items()
-                  if hasattr(md, "properties")}  # fmt: skip
-        for index, (optimizer, rest) in enumerate(zip(optimizers, saved)):
-            pieces, optimizer_state = optimizer_targets(engine, optimizer, index, rest, dtypes)
-            targets.update(pieces)
-            optimizer_states.append(optimizer_state)
-    held = None
-    if checked:
-        held = check_and_hold(path, checked, engine.comm, files_read(targets, path), hold=files_may_be_held(engine))
-    with torch.no_grad():
-        load_pieces(targets, path, engine.comm.group, held=held)
+    if not checked:
+        pieces, optimizer_states = _optimizer_targets(path, engine, optimizers, extra)
+        with torch.no_grad():
+            load_pieces({**targets, **pieces}, path, engine.comm.group)
+    else:
+        # the files the weights come from are the ones this rank reads: their optimizer states lie beside them
+        with checking_shard_files(path, checked, engine.comm, files_read(targets, path)):
+            pieces, optimizer_states = _optimizer_targets(path, engine, optimizers, extra)
+            fresh = {key: piece for key, piece in pieces.items() if piece.source is None}  # new tensors, unused yet
+            with torch.no_grad():
+                load_pieces(fresh, path, engine.comm.group)
+        with torch.no_grad():
+            load_pieces({**targets, **{k: p for k, p in pieces.items() if k not in fresh}}, path, engine.comm.group)
     for optimizer, optimizer_state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(optimizer_state)
         engine.keep_host_kernel(optimizer)
     engine.note_optimizer_state()
+
+
+def _optimizer_targets(
+    path: Path, engine: Zero3Engine, optimizers: list[torch.optim.Optimizer], extra: dict
+) -> tuple[dict[str, FlatPiece], list[dict]]:
+    """Where the checkpoint's state of each of ``optimizers`` lands (``optimizer_targets``), all together,
+    and the state dicts that hold it."""
+    if not optimizers:
+        return {}, []
+    if "optimizer_states" not in extra:
+        raise CheckpointMismatchError(
+            f"zero3: {path} holds no optimizer state (was it saved with `save_weights_only=True`?), so "
+            "training cannot resume from it; resume from a full training checkpoint instead."
+        )
+    saved = extra["optimizer_states"]
+    if len(saved) != len(optimizers):
+        raise CheckpointMismatchError(
+            f"zero3: the checkpoint holds {len(saved)} optimizer state(s) but {len(optimizers)} optimizer(s) "
+            "are to be loaded; resume with the optimizers the checkpoint was written with."
+        )
+    dtypes = {key: md.properties.dtype for key, md in read_dcp_metadata(path).state_dict_metadata.items()
+              if hasattr(md, "properties")}  # fmt: skip
+    pieces: dict[str, FlatPiece] = {}
+    states = []
+    for index, (optimizer, rest) in enumerate(zip(optimizers, saved)):
+        own, state = optimizer_targets(engine, optimizer, index, rest, dtypes)
+        pieces.update(own)
+        states.append(state)
+    return pieces, states
 

@@ -12,7 +12,9 @@ The output is a plain ``state_dict`` under the model's own names (tied weights u
 One process, no process group. For each tensor in turn: allocate it full, let DCP read every saved
 piece of it into place, write its bytes to the output, free it. Peak memory is about the largest
 tensor (twice, while DCP copies a piece in) over the process baseline, never the model. Every file of the
-checkpoint is checked against its checksum first (``verify.py``). The files are
+checkpoint is checked against its checksum by a helper thread while the tensors are read and written
+(``verify.py``); the output is a staging file until the end, and the check is waited for before the last
+tensor is handed to the writer, so a bad file leaves no output. The files are
 written tensor by tensor by ``export/writers.py`` (safetensors: header first; torch format: the pickle first,
 then one zip record per tensor, each with its true CRC).
 """
@@ -33,7 +35,7 @@ from .dcp_io import FlatPiece, load_pieces
 from ..export.hf import DEFAULT_MAX_SHARD, HF_CONFIG, write_hf_directory
 from .sharded import MODEL_PREFIX
 from ..export.writers import TensorEntry, write_safetensors, write_torch
-from .verify import verify_before_load
+from .verify import READ_FAILURES, BackgroundCheck, check_in_background, raise_if_bad
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -68,14 +70,21 @@ def _read_full(path: Path, entry: _Entry) -> torch.Tensor:
     return full
 
 
-def _tensors(path: Path, entries: list[_Entry]) -> Iterator[torch.Tensor]:
-    for entry in entries:
+def _tensors(path: Path, entries: list[_Entry], check: Optional[BackgroundCheck]) -> Iterator[torch.Tensor]:
+    """Each entry's full tensor in turn; with ``check``, a bad file stops the reads as soon as it is found,
+    and the last tensor is handed over only once every file has passed."""
+    for index, entry in enumerate(entries):
+        if check is not None and check.failed():
+            raise_if_bad(path, check)
         # The read's own temporaries (the bytes DCP read, at the tensor's size) come from glibc's heap once
         # its mmap threshold has risen to that size, and their freed space stays resident: the peak would
         # still vary by run. Handing the heap's free
         # pages back before each read bounds it by one read's temporaries.
         return_free_heap()
-        yield _read_full(path, entry)
+        tensor = _read_full(path, entry)
+        if check is not None and index == len(entries) - 1:
+            raise_if_bad(path, check)
+        yield tensor
 
 
 def consolidate_checkpoint(
@@ -87,11 +96,25 @@ def consolidate_checkpoint(
     path without one when the checkpoint was written from a module that wraps a Hugging Face model. Only the
     names under ``prefix`` are kept, with the prefix removed (for ``"hf"``, by default the wrapped model's
     prefix). ``config``: a ``config.json`` for ``"hf"`` (by default the one the checkpoint carries). Every file
-    of the checkpoint is checked against its checksum first (not with ``verify=False``, for measuring that)."""
+    of the checkpoint is checked against its checksum before the output appears (not with ``verify=False``,
+    for measuring that)."""
     checkpoint, out = Path(checkpoint), Path(out)
     manifest = read_manifest(checkpoint)
-    if verify:
-        verify_before_load(checkpoint, manifest)  # every file, before any tensor is read
+    check = check_in_background(checkpoint, manifest) if verify else None
+    try:
+        return _consolidate(checkpoint, manifest, out, fmt, prefix, config, max_shard_size, check)
+    except READ_FAILURES as failure:
+        if check is None:
+            raise
+        error = failure
+    raise_if_bad(checkpoint, check)  # a bad file explains a failed read better than the read's own error
+    raise error
+
+
+def _consolidate(
+    checkpoint: Path, manifest: dict, out: Path, fmt: Optional[str], prefix: Optional[str], config: Optional[Path],
+    max_shard_size: Union[int, str], check: Optional[BackgroundCheck],
+) -> Path:
     carried = checkpoint / HF_CONFIG
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt" if out.suffix or not carried.is_file() else "hf")
     if fmt not in ("pt", "safetensors", "hf"):
@@ -105,11 +128,11 @@ def consolidate_checkpoint(
     if not entries:
         raise ValueError(f"zero3: no tensor of {checkpoint} has a name starting with {prefix!r}.")
     if configuration is not None:
-        return write_hf_directory(out, entries, _tensors(checkpoint, entries), configuration, max_shard_size)
+        return write_hf_directory(out, entries, _tensors(checkpoint, entries, check), configuration, max_shard_size)
     staging = out.with_name(f".{out.name}.partial")
     writer = write_safetensors if fmt == "safetensors" else write_torch
     try:
-        writer(staging, entries, _tensors(checkpoint, entries))
+        writer(staging, entries, _tensors(checkpoint, entries, check))
         staging.replace(out)  # the output appears whole or not at all
     finally:
         staging.unlink(missing_ok=True)

@@ -29,7 +29,6 @@ with ``weights_only=True``).
 
 from __future__ import annotations
 
-import io
 import pickle
 import queue
 import warnings
@@ -350,55 +349,6 @@ def save_pieces(
                  no_dist=not _distributed(group))  # fmt: skip
 
 
-class HeldStream(io.RawIOBase):
-    """A read-only, seekable file over bytes already in memory (a uint8 tensor): no copy until read."""
-
-    def __init__(self, data: torch.Tensor) -> None:
-        super().__init__()
-        self.view, self.position = memoryview(data.numpy()), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: len(self.view)}[whence]
-        self.position = base + offset
-        return self.position
-
-    def tell(self) -> int:
-        return self.position
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        count = max(0, min(len(out), len(self.view) - self.position))
-        out[:count] = self.view[self.position : self.position + count]
-        self.position += count
-        return count
-
-
-class _HeldFileSystem(FileSystem):
-    """DCP's local file system, whose reads of the files in ``held`` (name -> their bytes) come from memory;
-    each file's bytes are dropped once DCP has read what it needs from it (see [Note: a load reads each
-    file once] in verify.py)."""
-
-    def __init__(self, held: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.held = held
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
-        data = self.held.pop(Path(path).name, None) if "r" in mode else None
-        if data is None:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with HeldStream(data) as stream:
-            yield stream
-
-
 def files_read(state: dict[str, Any], path: Path) -> set[str]:
     """The names of the checkpoint files at ``path`` that ``load_pieces(state, path)`` reads on this rank."""
     metadata = read_dcp_metadata(path)
@@ -408,16 +358,12 @@ def files_read(state: dict[str, Any], path: Path) -> set[str]:
 
 
 def load_pieces(
-    state: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None, collective: bool = True,
-    held: Optional[dict[str, torch.Tensor]] = None,
+    state: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None, collective: bool = True
 ) -> None:
     """Fill every ``FlatPiece`` / tensor of ``state`` in place from the checkpoint at ``path``.
 
-    ``collective=False`` reads in this process alone (consolidation); otherwise every rank of ``group`` calls it.
-    ``held``: files already read into memory (name -> bytes), read from there instead of the disk."""
+    ``collective=False`` reads in this process alone (consolidation); otherwise every rank of ``group`` calls it."""
     reader = SafeFileSystemReader(path)
-    if held:
-        reader.fs = _HeldFileSystem(held)
     no_dist = not (collective and _distributed(group))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")

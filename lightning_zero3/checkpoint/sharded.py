@@ -43,15 +43,6 @@ def _on_disk(group: FlatGroup) -> bool:
     return group.store is not None and group.store.offload.nvme and not group.store.resident
 
 
-def files_may_be_held(engine: Zero3Engine) -> bool:
-    """Whether a checked load may hold this rank's checkpoint files in host memory for DCP to read: only
-    where the states live in device memory. Where they live on the host (CPU ranks, CPU or NVMe offload)
-    the held bytes would come on top of the states themselves and raise the run's peak by about a rank's
-    share of the checkpoint, so the files are hashed through the page cache and read again from there."""
-    config = engine.config
-    return engine.device.type != "cpu" and config.offload_optimizer is None and config.offload_params is None
-
-
 def _piece(group: FlatGroup, slot: ParamSlot, tensor: torch.Tensor) -> FlatPiece:
     start = slot.piece_start(group.comm.rank, group.shard_numel)
     return FlatPiece(tensor, start, slot.numel, tuple(slot.param.shape), bucket=group.name)

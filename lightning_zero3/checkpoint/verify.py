@@ -1,31 +1,36 @@
 """Checking a checkpoint's files against the checksums written with them, before anything is loaded.
 
-``check_shared_files`` and ``check_and_hold``: the ranks of a load check every file of a sharded
+``check_shared_files`` and ``checking_shard_files``: the ranks of a load check every file of a sharded
 checkpoint, each file by one rank, and all raise the same ``CheckpointError`` when one is bad (see
-[Note: a load reads each file once]). ``verify_before_load``: one process checks every file (consolidation).
-``check_full_file``: the ranks check a single-file checkpoint (``checkpoint_format="full"``, or DDP's)
-against the CRC-32 its zip records carry.
+[Note: checking beside the load]). ``BackgroundCheck``: one process checks every file while it
+consolidates. ``check_full_file``: the ranks check a single-file checkpoint (``checkpoint_format="full"``,
+or DDP's) against the CRC-32 its zip records carry.
 
 ``lightning-zero3 verify DIR`` (``main``) checks a sharded checkpoint (``zero3.json``) or a Hugging Face
 export (``SHA256SUMS``) without loading it into a model: one line per bad file, exit status 1 if any.
 
-[Note: a load reads each file once]
+[Note: checking beside the load]
 A load checks every file before any weight changes, and fails on every rank alike when one is bad. It
 does so in two rounds, each ended by one exchange of what the ranks found (so no rank starts loading
-while another has refused, and none waits for a rank that gave up):
+into its weights while another has refused, and none waits for a rank that gave up):
 
 1. ``check_shared_files``: rank 0 checks the small files every rank reads before the weights
    (``.metadata``, ``trainer_state.pt``, the JSON files).
-2. ``check_and_hold``: the shard files ``__<r>_<k>.distcp``. Each is checked by the first rank that
+2. ``checking_shard_files``: the shard files ``__<r>_<k>.distcp``. Each is checked by the first rank that
    reads from it in this load (at the world size it was saved with, rank ``r`` reads exactly its own
-   files), or by rank ``r mod world_size`` when none does. The checking rank reads the whole file in one
-   sequential pass into memory of its own and hashes it as the pieces arrive (see [Note: checking a file
-   in one sequential pass] in export/digests.py); once every rank has agreed that every file is good,
-   DCP reads those bytes from memory instead of the disk, and each file's memory is returned as soon
-   as DCP is done with it. So the check adds the hash to the load and no second read of the disk. The
-   bytes a rank holds at once are its share of the checkpoint, up to ``HELD_SHARE`` of the memory
-   available per rank of the node; files past that are hashed through the page cache and read again
-   from it by DCP.
+   files), or by rank ``r mod world_size`` when none does. A helper thread of the checking rank hashes
+   each file in one sequential pass through the page cache (see [Note: checking a file in one sequential
+   pass] in export/digests.py) while the load goes on with what changes nothing yet: making the tensors
+   the optimizer states land in and reading them, which only ``optimizer.load_state_dict`` installs once
+   the ranks agreed (api.py). The weights, and states that land in place (NVMe swap files), are read
+   after the agreement, from the page cache the check filled (as long as a node's share of the
+   checkpoint fits in it). So the disk is read once and no file is held in memory; what the check adds is
+   the hash and one copy out of the page cache on the helper thread, and the weights' reads no longer
+   overlapping the disk's.
+
+Consolidation writes into a staging file that only a complete, checked run renames into place, so its
+``BackgroundCheck`` runs beside the whole consolidation and is waited for before the last tensor is
+handed to the writer (consolidate.py).
 """
 
 from __future__ import annotations
@@ -33,27 +38,29 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import threading
 import warnings
 import zipfile
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
-import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..engine import Communicator
-from ..engine.memory.buffers import host_buffer
-from ..engine.memory.proc import MEMINFO, kib_field_bytes
 from .atomic import MANIFEST, CheckpointError, read_manifest
-from ..export.digests import ALIGN, PIECE, SHA256, bad_files, file_digest
+from ..export.digests import PIECE, SHA256, bad_files, file_digest
 from ..export.hf import SHA256SUMS, read_sha256sums
 
 NO_CHECKSUMS = (
     "zero3: {path} was written without checksums (by a zero3 version before they were added), so its files "
     "are checked for their sizes only; a save with this version records them."
 )
-HELD_SHARE = 0.5  # of the memory available to each rank of a node: the most a load holds of its files
 _SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+# what reading a damaged file can raise (DCP's own exception, on every rank, derives from BaseException)
+READ_FAILURES = (Exception, CheckpointException)
+Findings = tuple[list[str], list[str]]  # a line per bad file, a line per file that could not be checked
 
 
 def _corrupt_line(path: Path, name: str, rank: Optional[int], algorithm: str, expected: str, actual: str) -> str:
@@ -61,16 +68,15 @@ def _corrupt_line(path: Path, name: str, rank: Optional[int], algorithm: str, ex
     return f"{path / name}: {who} the {algorithm} checksum {actual}, but it was written with {expected}"
 
 
-def _check(path: Path, manifest: dict, names: list[str], rank: Optional[int],
-           held: Optional[dict[str, torch.Tensor]] = None) -> tuple[list[str], list[str]]:  # fmt: skip
+def _check(path: Path, manifest: dict, names: list[str], rank: Optional[int]) -> Findings:
     """Check ``names``: a line per bad file (naming ``rank`` if given), and per file that could not be
-    checked (unreadable, or no package for the algorithm). Files in ``held`` are read into its buffers."""
+    checked (unreadable, or no package for the algorithm)."""
     algorithm, expected = manifest["checksums"]["algorithm"], manifest["checksums"]["files"]
-    bad, errors = [], []
+    bad: list[str] = []
+    errors: list[str] = []
     for name in names:
-        into = held.get(name) if held is not None else None
         try:
-            actual = file_digest(path / name, algorithm, None if into is None else memoryview(into.numpy()))
+            actual = file_digest(path / name, algorithm)
         except (OSError, RuntimeError) as error:
             errors.append(f"rank {rank if rank is not None else 0}: {error}")
             if isinstance(error, RuntimeError):  # the same for every file: said once
@@ -81,7 +87,7 @@ def _check(path: Path, manifest: dict, names: list[str], rank: Optional[int],
     return bad, errors
 
 
-def _agree(path: Path, comm: Optional[Communicator], found: tuple[list[str], list[str]]) -> None:
+def _agree(path: Path, comm: Optional[Communicator], found: Findings) -> None:
     """Every rank's findings, exchanged; the same ``CheckpointError`` on every rank if any file is bad."""
     everyone = comm.all_gather_objects(found) if comm is not None and comm.world_size > 1 else [found]
     lines = [line for bad, _ in everyone for line in bad] + [line for _, errors in everyone for line in errors]
@@ -101,8 +107,32 @@ def _has_checksums(path: Path, manifest: dict, rank: int) -> bool:
     return True
 
 
+class BackgroundCheck:
+    """``names`` of the checkpoint at ``path`` checked by a helper thread while the caller goes on;
+    ``found()`` waits for the findings. ``failed()`` says early whether a bad file was found."""
+
+    def __init__(self, path: Path, manifest: dict, names: list[str], rank: Optional[int]) -> None:
+        self._found: Findings = ([], [])
+
+        def run() -> None:
+            try:
+                self._found = _check(path, manifest, names, rank)
+            except Exception as error:  # noqa: BLE001 - reported as a file that could not be checked
+                self._found = ([], [f"rank {rank or 0}: {type(error).__name__}: {error}"])
+
+        self._thread = threading.Thread(target=run, name="zero3-checksum", daemon=True)
+        self._thread.start()
+
+    def failed(self) -> bool:
+        return not self._thread.is_alive() and any(self._found)
+
+    def found(self) -> Findings:
+        self._thread.join()
+        return self._found
+
+
 def check_shared_files(path: Path, manifest: dict, comm: Communicator) -> bool:
-    """Round 1 of [Note: a load reads each file once] (a collective): rank 0 checks every file but the
+    """Round 1 of [Note: checking beside the load] (a collective): rank 0 checks every file but the
     shard files. False (and one warning) for a checkpoint written without checksums."""
     if not _has_checksums(path, manifest, comm.rank):
         return False
@@ -111,11 +141,13 @@ def check_shared_files(path: Path, manifest: dict, comm: Communicator) -> bool:
     return True
 
 
-def check_and_hold(path: Path, manifest: dict, comm: Communicator, reads: set[str], hold: bool = True) -> dict[str, torch.Tensor]:
-    """Round 2 of [Note: a load reads each file once] (a collective): the shard files checked, each by one
-    rank; ``reads``: the files this rank's load reads. Returns the bytes of the files this rank checked
-    and reads (name -> uint8 tensor), for ``load_pieces(..., held=...)``; none with ``hold=False`` (the
-    files are then hashed through the page cache and DCP reads them again from there)."""
+@contextmanager
+def checking_shard_files(path: Path, manifest: dict, comm: Communicator, reads: set[str]) -> Iterator[None]:
+    """Round 2 of [Note: checking beside the load] (a collective): the shard files checked, each by one
+    rank (``reads``: the files this rank's load reads), by a helper thread while the body runs; on exit
+    every rank has the findings, and raises the same ``CheckpointError`` if a file is bad. The body must
+    change nothing the run uses. An error the body raised is raised after the exchange (a bad file
+    explains it better, and every rank takes part in the exchange)."""
     expected = manifest["checksums"]["files"]
     everyone = comm.all_gather_objects(sorted(reads)) if comm.world_size > 1 else [sorted(reads)]
     mine: list[str] = []
@@ -126,30 +158,15 @@ def check_and_hold(path: Path, manifest: dict, comm: Communicator, reads: set[st
         readers = [rank for rank, names in enumerate(everyone) if name in names]
         if (readers[0] if readers else int(match.group(1)) % comm.world_size) == comm.rank:
             mine.append(name)
-    held: dict[str, torch.Tensor] = {}
+    check = BackgroundCheck(path, manifest, mine, comm.rank)
+    failure = None
     try:
-        room = _room(comm) if hold else 0
-        for name in mine:
-            size = manifest["files"][name]
-            if name in reads and size <= room:
-                held[name] = host_buffer(-(-size // ALIGN) * ALIGN, torch.uint8)
-                room -= size
-        found = _check(path, manifest, mine, comm.rank, held)
-    except Exception as error:  # noqa: BLE001 - every rank learns of it in the exchange below
-        found = ([], [f"rank {comm.rank}: {type(error).__name__}: {error}"])
-    try:
-        _agree(path, comm, found)
-    except CheckpointError:
-        held.clear()
-        raise
-    return {name: data[: manifest["files"][name]] for name, data in held.items()}
-
-
-def _room(comm: Communicator) -> int:
-    """The bytes of its files this rank may hold during a load: ``HELD_SHARE`` of the memory available
-    on the node, divided among its ranks."""
-    available = kib_field_bytes(MEMINFO, "MemAvailable") or 0
-    return int(HELD_SHARE * available / max(1, min(comm.world_size, comm.topology.ranks_per_node)))
+        yield
+    except READ_FAILURES as error:
+        failure = error
+    _agree(path, comm, check.found())  # outside the except: the checksum error is the whole story
+    if failure is not None:
+        raise failure
 
 
 def check_full_file(path: Path, comm: Communicator) -> None:
@@ -190,12 +207,18 @@ def _stored_crc(stream, info: zipfile.ZipInfo) -> int:
     return crc
 
 
-def verify_before_load(path: Path, manifest: dict) -> None:
-    """Check every file of the sharded checkpoint ``path`` against ``manifest`` in this process alone
-    (consolidation). Raises ``CheckpointError`` naming each bad file and both checksums; warns once for a
-    checkpoint without checksums."""
-    if _has_checksums(path, manifest, 0):
-        _agree(path, None, _check(path, manifest, list(manifest["checksums"]["files"]), None))
+def check_in_background(path: Path, manifest: dict) -> Optional[BackgroundCheck]:
+    """Every file of the sharded checkpoint ``path`` checked against ``manifest`` by a helper thread of this
+    process (consolidation; ``raise_if_bad`` waits for it); None, with one warning, for a checkpoint
+    without checksums."""
+    if not _has_checksums(path, manifest, 0):
+        return None
+    return BackgroundCheck(path, manifest, list(manifest["checksums"]["files"]), None)
+
+
+def raise_if_bad(path: Path, check: BackgroundCheck) -> None:
+    """Wait for ``check``; a ``CheckpointError`` naming each bad file and both checksums if one is bad."""
+    _agree(path, None, check.found())
 
 
 # -- lightning-zero3 verify ----------------------------------------------------------------------------

@@ -15,7 +15,6 @@ warning), and a checkpoint written with ``xxh3_64`` cannot be verified until ``x
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 PIECE = 8 << 20  # bytes read and hashed at a time when checking a file
-ALIGN = 4096  # O_DIRECT: memory address, file offset and length are multiples of it
 XXH3 = "xxh3_64"
 CRC32 = "crc32"
 SHA256 = "sha256"  # what the Hugging Face Hub records per file: the manifest of exports (``SHA256SUMS``)
@@ -90,49 +88,27 @@ def bytes_digest(data: Union[bytes, str], algorithm: str) -> str:
     return digest.hexdigest()
 
 
-def file_digest(path: Path, algorithm: str, into: Optional[memoryview] = None) -> str:
+def file_digest(path: Path, algorithm: str) -> str:
     """The checksum of the file at ``path``, from one sequential pass over it.
 
     [Note: checking a file in one sequential pass]
-    A helper thread reads the file in ``PIECE``-sized pieces (``os.preadv`` lets go of the GIL) while this
-    thread hashes the piece before, so the hash runs while the disk reads. Without ``into``, the pieces
-    pass through two reused buffers with sequential read-ahead advice, and the file's pages stay in the
-    page cache for whatever reads the file next. With ``into`` (a page-aligned buffer of at least the
-    file's size rounded up to ``ALIGN``), the bytes land there and stay, read with ``O_DIRECT`` where the
-    file system allows it (no copy through the page cache): what a load then hands to DCP from memory
-    (see [Note: a load reads each file once] in checkpoint/verify.py). A memory map is not used: faulting
-    a cold file in page by page is several times slower than these reads on a virtual disk."""
+    A helper thread reads the file in ``PIECE``-sized pieces into two reused buffers (``os.preadv`` lets
+    go of the GIL), with sequential read-ahead advice, while this thread hashes the piece before, so the
+    hash runs while the disk reads. The file's pages stay in the page cache for whatever reads the file
+    next (a load, see [Note: checking beside the load] in checkpoint/verify.py). A memory map is not
+    used: faulting a cold file in page by page is several times slower than these reads on a virtual disk."""
     digest = new_digest(algorithm)
     fd = os.open(path, os.O_RDONLY)
-    direct = None
     try:
         size = os.fstat(fd).st_size
-        if into is None:
-            staging = [bytearray(min(PIECE, size)) for _ in range(2)]
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        elif hasattr(os, "O_DIRECT"):
-            try:
-                direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:  # tmpfs and some network file systems
-                direct = None
+        staging = [bytearray(min(PIECE, size)) for _ in range(2)]
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         starts = range(0, size, PIECE)
 
         def read(index: int) -> memoryview:
-            nonlocal direct
             lo = starts[index]
-            hi = min(lo + PIECE, size)
-            if into is None:
-                return _read_fully(fd, memoryview(staging[index % 2])[: hi - lo], lo, path)
-            if direct is not None:
-                try:  # O_DIRECT: whole aligned blocks, the last one may end past the end of the file
-                    return _read_fully(direct, into[lo : lo + -(-(hi - lo) // ALIGN) * ALIGN], lo, path)[: hi - lo]
-                except OSError as error:
-                    if error.errno != errno.EINVAL:
-                        raise
-                    os.close(direct)  # accepted at open, refused on reads: through the page cache
-                    direct = None
-            return _read_fully(fd, into[lo:hi], lo, path)
+            return _read_fully(fd, memoryview(staging[index % 2])[: min(PIECE, size - lo)], lo, path)
 
         with ThreadPoolExecutor(1, thread_name_prefix="zero3-checksum-read") as pool:
             pending = pool.submit(read, 0) if starts else None
@@ -141,9 +117,7 @@ def file_digest(path: Path, algorithm: str, into: Optional[memoryview] = None) -
                 pending = pool.submit(read, index + 1) if index + 1 < len(starts) else None
                 digest.update(piece)
     finally:
-        for descriptor in (direct, fd):
-            if descriptor is not None:
-                os.close(descriptor)
+        os.close(fd)
     return digest.hexdigest()
 
 

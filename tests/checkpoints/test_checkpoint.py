@@ -35,6 +35,7 @@ from lightning_zero3.checkpoint import (
     write_sharded_checkpoint,
 )
 from lightning_zero3.checkpoint.consolidate import consolidate_checkpoint
+from lightning_zero3.checkpoint.dcp_io import read_dcp_metadata
 from lightning_zero3.checkpoint.files import load_file_checkpoint
 from lightning_zero3.checkpoint.full import save_full_checkpoint
 from lightning_zero3.checkpoint.sharded import param_names
@@ -62,10 +63,10 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _sharded(seed: int, cfg: GPTConfig = CFG):
+def _sharded(seed: int, cfg: GPTConfig = CFG, config: Zero3Config = CONFIG):
     torch.manual_seed(seed)
     model = GPT(cfg)
-    engine = Zero3Engine(model, CONFIG)
+    engine = Zero3Engine(model, config)
     optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     return model, engine, optimizer
 
@@ -81,19 +82,15 @@ def _train(model, optimizer, rank: int, world: int, steps: range) -> list[float]
     return losses
 
 
-def _save_case(rank: int, world: int, path: str) -> dict:
-    model, engine, optimizer = _sharded(seed=0)
+def _save_case(rank: int, world: int, path: str, config: Zero3Config = CONFIG) -> dict:
+    model, engine, optimizer = _sharded(seed=0, config=config)
     _train(model, optimizer, rank, world, range(3))
     save_sharded_checkpoint(Path(path), engine, [optimizer], {"step": 3})
     return {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer),
             "groups": len(engine.runtimes)}  # fmt: skip
 
 
-def _load_case(rank: int, world: int, path: str, held: bool = False) -> dict:
-    if held:  # the files handed to DCP from the checking rank's memory, as where the states live on a device
-        import lightning_zero3.checkpoint.api as checkpoint_api
-
-        checkpoint_api.files_may_be_held = lambda engine: True
+def _load_case(rank: int, world: int, path: str) -> dict:
     model, engine, optimizer = _sharded(seed=1)  # other initial weights: everything must come from the file
     extra = load_sharded_checkpoint(Path(path), engine, [optimizer])
     loaded = {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer)}
@@ -139,13 +136,13 @@ def saved_on(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("saved_world, loaded_on, held", [(2, 1, False), (2, 4, True), (4, 2, False)])
-def test_checkpoint_reshards_and_training_continues_at_parity(saved_on, saved_world, loaded_on, held):
+@pytest.mark.parametrize("saved_world, loaded_on", [(2, 1), (2, 4), (4, 2)])
+def test_checkpoint_reshards_and_training_continues_at_parity(saved_on, saved_world, loaded_on):
     path, saved = saved_on(saved_world)
     files = sorted(p.name for p in Path(path).iterdir())
     assert assert_sharded_layout(files, saved_world) == saved["groups"]  # one file per flat group and rank
     reference_losses, reference_weights = _reference(saved)
-    results = run_ranks(_load_case, loaded_on, path, held)
+    results = run_ranks(_load_case, loaded_on, path)
     global_losses = torch.tensor([r["losses"] for r in results]).mean(0).tolist()  # equal local batches
     for ours, theirs in zip(global_losses, reference_losses):
         assert abs(ours - theirs) <= 1e-5 * abs(theirs)
@@ -366,6 +363,68 @@ def test_resharded_loads_and_consolidation_check_every_file(corrupted, tmp_path)
         with pytest.raises(CheckpointError, match=f"{re.escape(str(path / name))}: found the xxh3_64 checksum"):
             consolidate_checkpoint(path, tmp_path / "out.pt")
         assert not (tmp_path / "out.pt").exists()
+
+
+def _refused_loads_case(rank: int, world: int, paths: list[str], config: Zero3Config = CONFIG) -> list[dict]:
+    """Each of the damaged checkpoints ``paths`` loaded into a model that has trained a step: the error of
+    each, once this rank's weights and optimizer state are found to be what they were before it."""
+    model, engine, optimizer = _sharded(seed=1, config=config)
+    _train(model, optimizer, rank, world, range(1))
+    before = {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer)}
+    results = []
+    for path in paths:
+        try:
+            load_sharded_checkpoint(Path(path), engine, [optimizer])
+            message = "loaded"
+        except CheckpointError as error:
+            message = str(error)
+        after = {"weights": engine.full_state_dict(), "optimizer": engine.full_optimizer_state(optimizer)}
+        _assert_same_state(after, before)  # nothing changed: the check came before any weight or state
+        results.append({"message": message})
+    engine.close()
+    return results
+
+
+def _assert_refused_everywhere(results: list[list[dict]], damaged: list[tuple[Path, str]]) -> None:
+    """Every rank refused each damaged checkpoint with the same error, naming the file, its checker and
+    both checksums."""
+    for index, (path, name) in enumerate(damaged):
+        messages = {result[index]["message"] for result in results}
+        assert len(messages) == 1, messages  # the same error on every rank
+        message = messages.pop()
+        expected = json.loads((path / "zero3.json").read_text())["checksums"]["files"][name]
+        found = rf"{re.escape(str(path / name))}: rank \d read it and found the xxh3_64 checksum"
+        assert re.search(found, message), message
+        assert f"written with {expected}" in message and "nothing was loaded" in message
+
+
+def test_flipped_bytes_are_refused_on_every_rank_of_a_load_on_more_ranks_than_saved(corrupted):
+    damaged = [(corrupted[name], name) for name in ("__0_1.distcp", "__1_0.distcp")]  # a shard of each saved rank
+    _assert_refused_everywhere(run_ranks(_refused_loads_case, 4, [str(p) for p, _ in damaged]), damaged)
+
+
+def flip_item(path: Path, key: str) -> str:
+    """Flip 64 bytes in the middle of the stored bytes of the largest DCP item whose name contains ``key``;
+    the name of the file holding them."""
+    metadata = read_dcp_metadata(path)
+    index = max((i for i in metadata.storage_data if key in i.fqn), key=lambda i: metadata.storage_data[i].length)
+    stored = metadata.storage_data[index]
+    file = path / stored.relative_path
+    data = bytearray(file.read_bytes())
+    middle = stored.offset + stored.length // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    file.write_bytes(bytes(data))
+    return stored.relative_path
+
+
+def test_flipped_bytes_in_a_checkpoint_saved_under_nvme_offload_are_refused_on_every_rank(tmp_path):
+    # the states live in swap files: saved straight from them, and loaded straight into them after the check
+    nvme = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path / "swap")}
+    config = dataclasses.replace(CONFIG, **nvme)
+    path = tmp_path / "nvme"
+    run_ranks(_save_case, 2, str(path), config)
+    damaged = [(path, flip_item(path, "exp_avg_sq"))]  # an optimizer state that lived only in its swap file
+    _assert_refused_everywhere(run_ranks(_refused_loads_case, 2, [str(path)], config), damaged)
 
 
 def test_a_changed_manifest_is_refused_and_a_checkpoint_without_checksums_loads_with_one_warning(tmp_path, saved_on):
