@@ -6,11 +6,12 @@ automatic offload plan under a memory budget (engine/plan/dynamic.py).
                                [--short-batches N]   # per rank, 4x shorter (default 3; 0: all whole)
                                [--short-len T]   # tokens of the short samples (default a quarter of CFG's)
                                [--largest-unknown]   # the data module does not name its largest sample
+                               [--fixed-nvme BUFFERS [--lean]]   # all->nvme by hand; --lean: the leanest level
 
 The data module names its largest sample (``largest_sample_index``), so the plan at setup is sized to the
 long batches; with ``--largest-unknown`` it does not, the plan is sized to the first (short) batch and
 must adapt while training. Each rank writes ``OUT/rank<R>.json``: its whole-run peak resident memory (``VmHWM`` when
-``fit`` has returned), the losses, the plan level at the first step and at the end, and the plan changes.
+``fit`` has returned), the losses, the seconds of each step after the first, the plan level at the first step and at the end, and the plan changes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -70,9 +72,15 @@ class ShortThenLongKnown(ShortThenLong):
 
 
 class Recorder(pl.Callback):
-    def __init__(self) -> None:
+    def __init__(self, lean: bool = False) -> None:
         self.losses: list[float] = []
         self.first_level = None
+        self.lean = lean
+        self.ends: list[float] = []  # when each step ended (perf_counter)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.lean:  # the plan's leanest level, taken by hand (engine/plan/dynamic.py)
+            trainer.strategy._engine.set_trim_between_phases(True)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         plan = trainer.strategy._engine.dynamic_plan
@@ -81,6 +89,7 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.ends.append(time.perf_counter())
 
 
 def main() -> None:
@@ -96,6 +105,8 @@ def main() -> None:
     p.add_argument("--short-batches", type=int)
     p.add_argument("--largest-unknown", action="store_true")
     p.add_argument("--short-len", type=int)
+    p.add_argument("--fixed-nvme", type=int, metavar="BUFFERS", help="all->nvme set by hand, prefetch off (with --nvme)")
+    p.add_argument("--lean", action="store_true", help="with --fixed-nvme: idle buffers returned between phases")
     args = p.parse_args()
     global CFG, BATCH, SHORT_BATCHES, SHORT_LEN
     SHORT_LEN = args.short_len
@@ -107,8 +118,11 @@ def main() -> None:
     knobs = {"persistence_threshold": 1000}
     if args.budget:
         knobs.update(offload_optimizer="auto", offload_params="auto", memory_budget=args.budget, nvme_path=args.nvme)
+    if args.fixed_nvme:
+        knobs.update(offload_optimizer="nvme", offload_params="nvme", nvme_path=args.nvme,
+                     offload_buffer_count=args.fixed_nvme, prefetch_bucket_size=0)  # fmt: skip
     pl.seed_everything(0)
-    recorder = Recorder()
+    recorder = Recorder(lean=args.lean)
     trainer = pl.Trainer(strategy=lightning_zero3.Zero3Strategy(**knobs), accelerator="cpu", devices=2,
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[recorder], use_distributed_sampler=False)  # fmt: skip
@@ -121,6 +135,7 @@ def main() -> None:
     status = Path("/proc/self/status").read_text().splitlines()
     peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     record = {"peak": peak, "losses": recorder.losses, "first_level": recorder.first_level,
+              "step_seconds": [b - a for a, b in zip(recorder.ends, recorder.ends[1:])],
               "level": plan and plan.level, "changes": plan and plan.changes,
               "estimate": trainer.strategy._engine.plan_estimate and trainer.strategy._engine.plan_estimate.device_bytes_per_rank}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
