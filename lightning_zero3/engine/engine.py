@@ -170,7 +170,6 @@ class Zero3Engine(OptimizerSide):
         module.__dict__[_LINK_ATTR] = _EngineLink(self)
         if self.offload is not None:
             self.offload.plan_host_pool([rt.group.shard_numel * rt.group.shard.element_size() for rt in self.runtimes])
-        self.trim_between_phases = False
         self.set_trim_between_phases(self.plan_estimate is not None and self.plan_estimate.trim_between_phases)
         self.dynamic_plan = self._dynamic_plan()
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -527,11 +526,6 @@ class Zero3Engine(OptimizerSide):
         the automatic plan, see [Note: the plan's levels] in plan/dynamic.py), or keep them for reuse."""
         self.trim_between_phases = on
         self.hooks.after_backward = self.pool.trim if on else None
-
-    def trim_after_step(self) -> None:
-        """After an optimizer step, where ``trim_between_phases`` asks: every idle buffer goes back."""
-        if self.trim_between_phases:
-            self.trim()
 
     def trim(self) -> None:
         """Hand idle staging buffers back to the kernel (between phases: after ``fit``, before evaluation;

@@ -3,7 +3,7 @@ the offload tiers, and the full (unsharded) optimizer state for checkpoints.
 
 ``OptimizerSide`` is mixed into ``Zero3Engine`` (``engine.py``) and reads the engine's own attributes:
 ``slots``, ``runtimes``, ``offload``, ``ledger``, ``optimizers``, ``host_sized``, ``refresh_gathered``,
-``trim_between_phases`` and ``trim_after_step``.
+``trim_between_phases`` and ``trim``.
 It lives apart so that each file keeps one job; it is never used alone.
 """
 
@@ -61,8 +61,8 @@ class OptimizerSide:
                 if group.gathered:
                     group.gather(force=True)
             self.note_optimizer_state()
-            if self.trim_between_phases:
-                self.trim_after_step()  # also returns the free heap
+            if self.trim_between_phases:  # a lean level of the automatic plan (plan/dynamic.py)
+                self.trim()  # also returns the free heap
             elif self.host_sized:
                 return_free_heap()  # [Note: the heap between steps] in memory/buffers.py
 
